@@ -1,0 +1,89 @@
+"""The `shardline` command: etl | train | evaluate | run, each on a layered config plus overrides.
+
+    shardline run --config conf/digits.yaml parallelism.data=2 train.epochs=5 ps.mode=sync
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Optional, Sequence
+
+from pipeline.errors import ShardlineError
+
+log = logging.getLogger("pipeline.cli")
+
+COMMANDS = {
+    "etl": "read the source, clean, split, standardize and write balanced shards + manifest",
+    "train": "train on the shard set with barrier workers and the driver parameter server",
+    "evaluate": "evaluate the last trained model on the test split (in Spark) and log to its run",
+    "run": "etl, train and evaluate in one MLflow run",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardline", description="Spark-integrated distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("--config", "-c", default=None, help="named config YAML, layered on conf/base.yaml")
+        cmd.add_argument("--base", default=None, help="base config (default: base.yaml beside --config)")
+        cmd.add_argument("--log-level", default="INFO", help="driver log level (default INFO)")
+        cmd.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("py4j", "urllib3", "alembic", "mlflow"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_command(command: str, config: Optional[str], overrides: Sequence[str], base: Optional[str] = None):
+    """Load the config, get the Spark session and run one step; returns what the step returned."""
+    from pipeline import steps
+    from pipeline.config import load
+    from pipeline.session import get_or_create_spark
+
+    cfg = load(config, overrides, base=base)
+    spark = get_or_create_spark(cfg.spark)
+    if command == "etl":
+        return steps.etl(spark, cfg)
+    if command == "train":
+        return steps.train(spark, cfg)
+    if command == "evaluate":
+        return steps.evaluate(spark, cfg)
+    return steps.run_all(spark, cfg)
+
+
+def _report(command: str, outcome) -> None:
+    if command == "etl":
+        print(f"shard set: {outcome.root}")
+        print("rows: " + ", ".join(f"{k}={v.rows}" for k, v in outcome.splits.items()))
+        print(f"fingerprint: {outcome.fingerprint}")
+        return
+    print(f"mlflow run id: {outcome.run_id}")
+    print(f"tracking uri: {outcome.tracking_uri}")
+    if outcome.model_uri:
+        print(f"model: {outcome.model_uri}")
+    if outcome.test_metrics:
+        print("test metrics: " + json.dumps({k: round(v, 4) for k, v in outcome.test_metrics.items()}))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        outcome = run_command(args.command, args.config, args.overrides, args.base)
+    except ShardlineError as exc:
+        log.error("%s", exc)
+        print(f"shardline {args.command} failed: {exc}", file=sys.stderr)
+        return 2
+    _report(args.command, outcome)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

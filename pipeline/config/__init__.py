@@ -1,0 +1,19 @@
+"""Typed, validated configuration: `load(path, overrides)` -> frozen `PipelineConfig`."""
+from pipeline.config.loader import build, deep_merge, load, parse_override
+from pipeline.config.schema import (
+    DataConfig,
+    ModelConfig,
+    ParallelismConfig,
+    PipelineConfig,
+    PSConfig,
+    SparkConfig,
+    SplitConfig,
+    TrackingConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "build", "deep_merge", "load", "parse_override",
+    "DataConfig", "ModelConfig", "ParallelismConfig", "PipelineConfig", "PSConfig", "SparkConfig",
+    "SplitConfig", "TrackingConfig", "TrainConfig",
+]

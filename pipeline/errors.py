@@ -1,0 +1,71 @@
+"""The exception types shardline users see.
+
+Every error says what went wrong, names the thing involved (config key, file, column, rank) and, where
+there is one, the knob or action that fixes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ShardlineError(Exception):
+    """Base class of every error shardline raises on purpose."""
+
+
+class ConfigError(ShardlineError):
+    """A config file, key or value is invalid. The message names the key."""
+
+
+class DataError(ShardlineError):
+    """Input data is unusable: missing column, bad values, empty split. Names file/column/count."""
+
+
+class ManifestError(DataError):
+    """A shard manifest is missing, unreadable or does not match the shards on disk."""
+
+
+class PSError(ShardlineError):
+    """The parameter server refused a request or failed a step."""
+
+
+class PSTimeoutError(PSError):
+    """A parameter-server wait ran past its deadline. The message names what was awaited and the key."""
+
+
+class ProtocolError(PSError):
+    """A peer sent a frame that does not follow the wire protocol (bad magic, size, type, auth)."""
+
+
+class AuthenticationError(ProtocolError):
+    """The HMAC challenge-response failed: the peer does not hold this run's secret."""
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """What one failed worker reported (or what the driver learned about it)."""
+
+    rank: int
+    error: str
+    log_tail: str = ""
+
+
+class WorkerTrainingFailedError(ShardlineError):
+    """One or more barrier tasks failed. Carries {rank: WorkerFailure} with each rank's log tail."""
+
+    def __init__(self, failures: dict[int, WorkerFailure], attempt: int = 1, cause: str = ""):
+        self.failures = dict(sorted(failures.items()))
+        self.attempt = attempt
+        self.cause = cause
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        ranks = ", ".join(str(r) for r in self.failures) or "unknown"
+        lines = [f"training failed on rank(s) {ranks} (attempt {self.attempt})"]
+        for rank, failure in self.failures.items():
+            lines.append(f"--- rank {rank}: {failure.error}")
+            if failure.log_tail:
+                lines.append(f"    last log lines of rank {rank}:")
+                lines.extend("    | " + line for line in failure.log_tail.rstrip().splitlines())
+        if self.cause:
+            lines.append(f"--- Spark reported: {self.cause}")
+        return "\n".join(lines)

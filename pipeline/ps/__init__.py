@@ -1,0 +1,22 @@
+"""Parameter server: wire protocol, synchronous (BSP) server on the driver, worker client.
+
+The server runs in a thread next to the SparkSession; barrier tasks connect with ``PSClient`` using
+the per-run secret from ``new_secret()``. Nothing here deserializes Python objects from the network.
+"""
+from __future__ import annotations
+
+import secrets
+
+from pipeline.ps.client import PSClient, ServerInfo
+from pipeline.ps.optim import OptimizerSpec
+from pipeline.ps.server import ParameterServer
+
+SECRET_BYTES = 32
+
+
+def new_secret() -> bytes:
+    """A fresh per-run HMAC secret (32 random bytes); give it to tasks inside the barrier closure."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+__all__ = ["OptimizerSpec", "ParameterServer", "PSClient", "ServerInfo", "new_secret"]

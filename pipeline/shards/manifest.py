@@ -1,0 +1,139 @@
+"""The shard manifest: what a shard set holds, read without touching the data.
+
+manifest.json sits at the root of a shard set and is the only way the rest of the pipeline finds
+shards: per-split, per-shard file lists with row counts, the feature schema, train-split statistics,
+the label mapping and a content fingerprint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from pipeline.errors import ManifestError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    path: str  # relative to the shard-set root
+    rows: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    rows: int
+    files: tuple[ShardFile, ...]
+
+
+@dataclass(frozen=True)
+class SplitShards:
+    rows: int
+    shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    task: str
+    feature_columns: tuple[str, ...]
+    label_column: str
+    label_mapping: Optional[tuple[str, ...]]
+    standardized: bool
+    means: tuple[float, ...]
+    stds: tuple[float, ...]
+    splits: dict[str, SplitShards]
+    fingerprint: str
+    etl_report: dict[str, Any] = field(default_factory=dict)
+    features_field: str = "features"
+    label_field: str = "label"
+    format_version: int = FORMAT_VERSION
+    root: str = ""  # where it was loaded from; not serialized
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_columns)
+
+    @property
+    def num_classes(self) -> Optional[int]:
+        return len(self.label_mapping) if self.label_mapping is not None else None
+
+    def split(self, name: str) -> SplitShards:
+        try:
+            return self.splits[name]
+        except KeyError:
+            raise ManifestError(f"shard set {self.root or self.name} has no {name!r} split "
+                                f"(it has {sorted(self.splits)}); re-run `shardline etl`") from None
+
+    def files(self, split: str, shard: Optional[int] = None) -> list[str]:
+        """Absolute paths of one shard's files, or of the whole split."""
+        chosen = self.split(split).shards if shard is None else [self.split(split).shards[shard]]
+        return [os.path.join(self.root, f.path) for s in chosen for f in s.files]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("root")
+        return data
+
+    def write(self, directory: str | os.PathLike) -> Path:
+        path = Path(directory) / MANIFEST_NAME
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+        os.replace(tmp, path)
+        return path
+
+
+def _split_from_dict(data: dict[str, Any]) -> SplitShards:
+    shards = tuple(
+        Shard(index=s["index"], rows=s["rows"], files=tuple(ShardFile(**f) for f in s["files"]))
+        for s in data["shards"])
+    return SplitShards(rows=data["rows"], shards=shards)
+
+
+def load_manifest(directory: str | os.PathLike) -> Manifest:
+    """Read and check a shard set's manifest; errors say which file and what to do."""
+    root = Path(directory)
+    path = root / MANIFEST_NAME
+    if not path.exists():
+        raise ManifestError(f"no shard manifest at {path}; run `shardline etl` (or the etl job) first")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ManifestError(f"{path} has format_version {data.get('format_version')}, this shardline reads "
+                                f"{FORMAT_VERSION}; re-run `shardline etl`")
+        manifest = Manifest(
+            name=data["name"], task=data["task"], feature_columns=tuple(data["feature_columns"]),
+            label_column=data["label_column"],
+            label_mapping=tuple(data["label_mapping"]) if data["label_mapping"] is not None else None,
+            standardized=data["standardized"], means=tuple(data["means"]), stds=tuple(data["stds"]),
+            splits={name: _split_from_dict(s) for name, s in data["splits"].items()},
+            fingerprint=data["fingerprint"], etl_report=data.get("etl_report", {}),
+            features_field=data["features_field"], label_field=data["label_field"], root=str(root))
+    except ManifestError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{path} is not a valid shard manifest ({type(exc).__name__}: {exc}); "
+                            "re-run `shardline etl`") from None
+    missing = [f for name in manifest.splits for f in manifest.files(name) if not os.path.exists(f)]
+    if missing:
+        raise ManifestError(f"{len(missing)} shard file(s) listed in {path} are missing, e.g. {missing[0]}; "
+                            "re-run `shardline etl`")
+    return manifest
+
+
+def fingerprint_files(root: str | os.PathLike, relative_paths: list[str], header: dict[str, Any]) -> str:
+    """sha256 over the manifest's content-defining fields and every shard file's bytes, in a fixed order."""
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    for rel in sorted(relative_paths):
+        digest.update(rel.encode())
+        with open(os.path.join(root, rel), "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()

@@ -1,0 +1,163 @@
+"""The pipeline's steps as library calls: etl, train, evaluate, and all three in one MLflow run.
+
+Each step is usable alone (jobs/, notebooks/, the CLI): train saves the merged model under the workdir
+and remembers its MLflow run, so a later evaluate step logs into the same run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config.schema import PipelineConfig
+from pipeline.errors import ShardlineError
+from pipeline.shards import MANIFEST_NAME, Manifest, load_manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineOutcome:
+    run_id: str
+    tracking_uri: str
+    test_metrics: dict[str, float]
+    train_seconds: float
+    model_uri: Optional[str] = None
+
+
+def model_dir(cfg: PipelineConfig) -> Path:
+    return Path(cfg.workdir) / "models" / cfg.name
+
+
+def etl(spark, cfg: PipelineConfig) -> Manifest:
+    from pipeline.etl import run_etl
+
+    return run_etl(spark, cfg)
+
+
+def load_shards(cfg: PipelineConfig) -> Manifest:
+    from pipeline.etl import shards_dir
+
+    return load_manifest(shards_dir(cfg))
+
+
+def _save_model(cfg: PipelineConfig, result, run_id: str) -> Path:
+    """The merged model as spec + flat parameters; loaded back with torch.load(weights_only=True)."""
+    import torch
+
+    folder = model_dir(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "model.pt.tmp"
+    torch.save({"spec": result.spec.to_dict(), "parameters": result.parameters}, tmp)
+    os.replace(tmp, folder / "model.pt")
+    (folder / "last_run.json").write_text(json.dumps({"run_id": run_id}))
+    return folder / "model.pt"
+
+
+def load_saved_model(cfg: PipelineConfig):
+    """(ModelSpec, flat parameters, run_id) saved by the last train step of this config."""
+    import torch
+
+    from pipeline.models import ModelSpec
+
+    folder = model_dir(cfg)
+    path = folder / "model.pt"
+    if not path.exists():
+        raise ShardlineError(f"no trained model at {path}; run `shardline train` (or `shardline run`) first")
+    state = torch.load(path, weights_only=True)
+    run_id = json.loads((folder / "last_run.json").read_text())["run_id"] if (folder / "last_run.json").exists() else None
+    return ModelSpec.from_dict(state["spec"]), state["parameters"], run_id
+
+
+def _tracking_uri(cfg: PipelineConfig) -> str:
+    from pipeline.tracking import resolve_tracking_uri
+
+    return resolve_tracking_uri(cfg.tracking.uri, cfg.workdir)
+
+
+def _input_example(manifest: Manifest, rows: int = 5):
+    import numpy as np
+
+    from pipeline.data import read_tensors
+
+    features, _ = read_tensors(manifest.files("test")[:1], manifest.features_field, manifest.label_field,
+                               manifest.num_features)
+    return np.ascontiguousarray(features[:rows].numpy(), dtype=np.float32)
+
+
+def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest):
+    from pipeline.launch import train as launch_train
+
+    run.log_params(cfg.model_dump(mode="json"))
+    run.set_tags({"shardline.fingerprint": manifest.fingerprint, "shardline.workers": str(cfg.parallelism.data)})
+    run.log_file(os.path.join(manifest.root, MANIFEST_NAME), "data")
+
+    def log_epoch(row: dict) -> None:  # called live from the PS thread as each epoch completes
+        run.log_epoch(row["epoch"], {k: v for k, v in row.items() if k not in ("epoch", "step")})
+
+    result = launch_train(spark, cfg, manifest, on_epoch=log_epoch)
+    run.log_history(result.history)
+    run.log_metrics({"train_seconds": result.seconds, "train_steps": result.steps,
+                     "samples_per_s": sum(r["samples"] for r in result.ranks) / max(result.seconds, 1e-9)})
+    _save_model(cfg, result, run.run_id)
+    return result
+
+
+def _evaluate_into(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, parameters):
+    from pipeline.evaluate import evaluate
+
+    evaluation = evaluate(spark, manifest, spec, parameters, "test")
+    run.log_evaluation(evaluation.metrics, evaluation.confusion, evaluation.class_names)
+    return evaluation
+
+
+def _log_model(run, cfg: PipelineConfig, manifest: Manifest, spec, parameters) -> Optional[str]:
+    if not cfg.tracking.log_model:
+        return None
+    from pipeline.models import build_model, load_flat_parameters
+
+    model = build_model(spec)
+    load_flat_parameters(model, parameters)
+    model.eval()
+    return run.log_model(model, _input_example(manifest), cfg.tracking.registered_model)
+
+
+def train(spark, cfg: PipelineConfig) -> PipelineOutcome:
+    """Train on the existing shard set; one MLflow run with params, per-epoch metrics and the model."""
+    from pipeline.tracking import start_run
+
+    manifest = load_shards(cfg)
+    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name) as run:
+        result = _train_into(run, spark, cfg, manifest)
+        model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
+    return PipelineOutcome(run.run_id, run.tracking_uri, {}, result.seconds, model_uri)
+
+
+def evaluate(spark, cfg: PipelineConfig):
+    """Evaluate the last trained model of this config on the test split, logging into its MLflow run."""
+    from pipeline.tracking import start_run
+
+    manifest = load_shards(cfg)
+    spec, parameters, run_id = load_saved_model(cfg)
+    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
+        evaluation = _evaluate_into(run, spark, cfg, manifest, spec, parameters)
+    return PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, 0.0)
+
+
+def run_all(spark, cfg: PipelineConfig) -> PipelineOutcome:
+    """ETL, then training, evaluation and model logging in one MLflow run."""
+    return train_and_evaluate(spark, cfg, etl(spark, cfg))
+
+
+def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest) -> PipelineOutcome:
+    """Training, evaluation and model logging on a shard set, in one MLflow run."""
+    from pipeline.tracking import start_run
+
+    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name) as run:
+        result = _train_into(run, spark, cfg, manifest)
+        evaluation = _evaluate_into(run, spark, cfg, manifest, result.spec, result.parameters)
+        model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
+    return PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, result.seconds, model_uri)

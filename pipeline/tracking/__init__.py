@@ -1,0 +1,6 @@
+"""MLflow tracking for shardline runs. The only module that imports mlflow (lazily, inside functions)."""
+from pipeline.tracking.params import flatten_params
+from pipeline.tracking.run import TrackedRun, TrackingError, start_run
+from pipeline.tracking.uri import resolve_tracking_uri
+
+__all__ = ["TrackedRun", "TrackingError", "flatten_params", "resolve_tracking_uri", "start_run"]

@@ -1,0 +1,244 @@
+"""One MLflow run: params, per-epoch metrics, evaluation artifacts, curves and the model."""
+from __future__ import annotations
+
+import copy
+import logging
+import numbers
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import ShardlineError
+from pipeline.tracking.params import flatten_params
+from pipeline.tracking.plots import confusion_figure, history_figure
+from pipeline.tracking.uri import sqlite_artifact_location
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "model"
+_PARAMS_PER_BATCH = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
+_METRICS_PER_BATCH = 1000  # mlflow.utils.validation.MAX_METRICS_PER_BATCH
+
+
+class TrackingError(ShardlineError):
+    """The tracking store refused an experiment or run. The message names the experiment and the fix."""
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _chunks(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def _numeric(metrics: Mapping[str, object]) -> dict[str, float]:
+    """Metric values as floats; the ``epoch`` key and non-numeric values are dropped (the latter with a warning)."""
+    values, skipped = {}, []
+    for key, value in metrics.items():
+        if key == "epoch":
+            continue
+        if isinstance(value, (numbers.Real, np.number)) and not isinstance(value, bool):
+            values[key] = float(value)
+        elif isinstance(value, np.ndarray) and value.size == 1:
+            values[key] = float(value.item())
+        else:
+            skipped.append(key)
+    if skipped:
+        logger.warning("not logging non-numeric metrics: %s", ", ".join(map(str, skipped)))
+    return values
+
+
+class TrackedRun:
+    """An active MLflow run. Use as a context manager: the run ends FAILED if the block raises, else FINISHED."""
+
+    def __init__(self, client, run_id: str, experiment_id: str, tracking_uri: str) -> None:
+        self._client = client
+        self.run_id = run_id
+        self.experiment_id = experiment_id
+        self.tracking_uri = tracking_uri
+        self._ended = False
+
+    def __repr__(self) -> str:
+        return f"TrackedRun(run_id={self.run_id!r}, experiment_id={self.experiment_id!r}, tracking_uri={self.tracking_uri!r})"
+
+    def __enter__(self) -> TrackedRun:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.end("FINISHED")
+        else:
+            self.end("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+        return False
+
+    def end(self, status: str = "FINISHED") -> None:
+        """End the run with ``status`` (FINISHED, FAILED or KILLED). Later calls do nothing."""
+        if self._ended:
+            return
+        import mlflow
+
+        self._ended = True
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == self.run_id:
+            mlflow.end_run(status)
+        else:
+            self._client.set_terminated(self.run_id, status)
+        logger.info("run %s ended %s", self.run_id, status)
+
+    def log_params(self, params: Mapping[str, object]) -> None:
+        """Log params; nested mappings are flattened to dotted keys."""
+        from mlflow.entities import Param
+
+        entries = [Param(k, v) for k, v in flatten_params(params).items()]
+        for batch in _chunks(entries, _PARAMS_PER_BATCH):
+            self._client.log_batch(self.run_id, params=batch)
+
+    def log_metrics(self, metrics: Mapping[str, float], prefix: str = "", step: int = 0) -> None:
+        """Log metrics as ``<prefix><name>`` at ``step``."""
+        from mlflow.entities import Metric
+
+        stamp = _now_ms()
+        entries = [Metric(f"{prefix}{k}", v, stamp, step) for k, v in _numeric(metrics).items()]
+        for batch in _chunks(entries, _METRICS_PER_BATCH):
+            self._client.log_batch(self.run_id, metrics=batch)
+
+    def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        """Log one epoch's metrics (train_loss, val_loss, val_accuracy, samples_per_s, ...) at step=epoch."""
+        self.log_metrics(metrics, step=int(epoch))
+
+    def log_evaluation(self, metrics: Mapping[str, float], confusion: np.ndarray | None = None,
+                       class_names: Sequence[str] | None = None) -> None:
+        """Log ``test_<name>`` metrics, and the confusion matrix as PNG and JSON under ``evaluation/``."""
+        self.log_metrics(metrics, prefix="test_")
+        if confusion is None:
+            return
+        matrix = np.asarray(confusion)
+        if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+            raise ValueError(f"confusion matrix must be square, got shape {matrix.shape}")
+        names = [str(c) for c in class_names] if class_names is not None else [str(i) for i in range(len(matrix))]
+        if len(names) != len(matrix):
+            raise ValueError(f"{len(names)} class_names for a {len(matrix)}-class confusion matrix")
+        self._client.log_dict(self.run_id, {"class_names": names, "matrix": matrix.tolist()},
+                              "evaluation/confusion_matrix.json")
+        self._client.log_figure(self.run_id, confusion_figure(matrix, names), "evaluation/confusion_matrix.png")
+
+    def log_history(self, history: Sequence[Mapping[str, float]]) -> None:
+        """Plot loss/accuracy curves from per-epoch dicts to ``plots/training_curves.png``."""
+        figure = history_figure(history)
+        if figure is None:
+            logger.warning("history has no loss or accuracy keys; no curves logged for run %s", self.run_id)
+            return
+        self._client.log_figure(self.run_id, figure, "plots/training_curves.png")
+
+    def log_model(self, model, input_example: np.ndarray, registered_model_name: str | None = None) -> str:
+        """Log ``model`` as the run's ``model`` in torch.export (pt2) format; return its model URI.
+
+        The graph is traced on CPU in eval mode from ``input_example``; the batch dimension stays dynamic.
+        Loading needs only mlflow and torch, not the code that defined the model.
+        """
+        import mlflow
+        import mlflow.pytorch
+        import torch
+        from mlflow.models import infer_signature
+
+        example = np.asarray(input_example)
+        if example.ndim >= 1 and example.shape[0] == 1:
+            # torch.export specializes size-1 dims, which would freeze the batch size at 1.
+            example = np.repeat(example, 2, axis=0)
+        on_cpu = all(t.device.type == "cpu" for t in model.state_dict().values())
+        export_model = model if on_cpu else copy.deepcopy(model).cpu()
+        first = next(export_model.parameters(), None)
+        if example.dtype == np.float64 and first is not None and first.dtype == torch.float32:
+            example = example.astype(np.float32)
+        modes = {module: module.training for module in model.modules()}
+        export_model.eval()
+        try:
+            with torch.no_grad():
+                output = export_model(torch.from_numpy(example))
+            signature = infer_signature(example, output.numpy())
+            mlflow.set_tracking_uri(self.tracking_uri)  # Model.log resolves the store from the global URI
+            info = mlflow.pytorch.log_model(
+                export_model,
+                name=MODEL_NAME,
+                input_example=example,
+                signature=signature,
+                serialization_format="pt2",
+                pip_requirements=[f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"],
+                registered_model_name=registered_model_name,
+                run_id=self.run_id,  # forwarded to Model.log: no reliance on this thread's active run
+            )
+        finally:
+            for module, training in modes.items():  # per module: frozen submodules stay in eval
+                module.training = training
+        logger.info("logged model %s for run %s", info.model_uri, self.run_id)
+        return info.model_uri
+
+    def log_file(self, path: str | os.PathLike, artifact_dir: str | None = None) -> None:
+        """Upload a local file (e.g. the shard manifest.json) as an artifact, under ``artifact_dir`` if given."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"cannot log {path} to run {self.run_id}: not a file")
+        self._client.log_artifact(self.run_id, str(path), artifact_dir)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        entries = [RunTag(k, str(v)) for k, v in tags.items()]
+        for batch in _chunks(entries, _PARAMS_PER_BATCH):
+            self._client.log_batch(self.run_id, tags=batch)
+
+
+def _experiment_id(client, tracking_uri: str, experiment: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        try:
+            return client.create_experiment(
+                experiment, artifact_location=sqlite_artifact_location(tracking_uri, experiment))
+        except MlflowException:
+            found = client.get_experiment_by_name(experiment)  # another process created it first
+            if found is None:
+                raise
+    if found.lifecycle_stage != "active":
+        raise TrackingError(
+            f"experiment {experiment!r} at {tracking_uri} is deleted; restore it "
+            f"(mlflow experiments restore --experiment-id {found.experiment_id}) or set another experiment name")
+    return found.experiment_id
+
+
+def start_run(tracking_uri: str, experiment: str, run_name: str | None = None,
+              tags: Mapping[str, str] | None = None, run_id: str | None = None) -> TrackedRun:
+    """Start a run in ``experiment`` (created if missing) at ``tracking_uri``, or reopen ``run_id``.
+
+    Reopening lets a later step (evaluate after train) log into the run of the step before it.
+
+    Also makes ``tracking_uri`` MLflow's process-wide tracking URI, which ``mlflow.pytorch.log_model``
+    and ``models:/`` URIs rely on.
+    """
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(tracking_uri)
+    client = MlflowClient(tracking_uri)
+    if run_id is not None:
+        try:
+            experiment_id = client.get_run(run_id).info.experiment_id
+        except Exception as exc:
+            raise TrackingError(f"cannot reopen MLflow run {run_id} at {tracking_uri} ({exc}); "
+                                "run the train step again or point tracking.uri at its store") from None
+        run = mlflow.start_run(run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()})
+    else:
+        experiment_id = _experiment_id(client, tracking_uri, experiment)
+        run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name,
+                               tags={k: str(v) for k, v in (tags or {}).items()})
+    logger.info("started run %s (%s) in experiment %s at %s", run.info.run_id, run.info.run_name,
+                experiment, tracking_uri)
+    return TrackedRun(client, run.info.run_id, experiment_id, tracking_uri)
