@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+    # force: under spark-submit the root logger already has a stdout handler; the CLI owns the process.
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("py4j", "urllib3", "alembic", "mlflow"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

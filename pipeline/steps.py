@@ -101,7 +101,7 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest):
     result = launch_train(spark, cfg, manifest, on_epoch=log_epoch)
     run.log_history(result.history)
     run.log_metrics({"train_seconds": result.seconds, "train_steps": result.steps,
-                     "samples_per_s": sum(r["samples"] for r in result.ranks) / max(result.seconds, 1e-9)})
+                     "train_samples_per_s": sum(r["samples"] for r in result.ranks) / max(result.seconds, 1e-9)})
     _save_model(cfg, result, run.run_id)
     return result
 

@@ -30,6 +30,6 @@ def spark():
     session.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def conf_dir():
     return os.path.join(REPO, "conf")

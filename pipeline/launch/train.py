@@ -120,14 +120,14 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
         except BaseException as exc:
             server.fail(f"the Spark barrier job failed: {_spark_error_summary(exc)}")
             _interrupt(spark, tag)
-            failures = dict(server.failures) or {-1: WorkerFailure(-1, "the barrier stage failed before any "
+            failures = server.root_failures or dict(server.failures) or {-1: WorkerFailure(-1, "the barrier stage failed before any "
                                                                         "rank reported (see the Spark error)")}
             raise WorkerTrainingFailedError(failures, cause=_spark_error_summary(exc)) from exc
         finally:
             spark.removeTag(tag)
         failed = [r for r in rows if not r["ok"]]
         if failed:
-            root_causes = set(server.failures)
+            root_causes = set(server.root_failures)
             primary = [r for r in failed if r["rank"] in root_causes] or failed
             raise WorkerTrainingFailedError(
                 {r["rank"]: WorkerFailure(r["rank"], r["error"], r["log_tail"] or "") for r in primary})

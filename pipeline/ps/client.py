@@ -48,7 +48,7 @@ class ServerInfo:
 
 def _pull_wait_s(timeout_s: float) -> float:
     """How long a PULL may take: the server's own deadline plus a margin for its ERROR to arrive."""
-    return timeout_s + max(1.0, 0.25 * timeout_s)
+    return timeout_s + max(0.5, 0.25 * timeout_s)
 
 
 class PSClient:

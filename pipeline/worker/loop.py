@@ -53,7 +53,6 @@ def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes) -> WorkerRe
     from pipeline.data import ShardLoader, read_tensors
     from pipeline.models import ModelSpec, build_model, load_flat_parameters, loss_fn
     from pipeline.models.flat import flat_gradients
-    from pipeline.errors import PSError
     from pipeline.ps import PSClient
 
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
@@ -63,53 +62,48 @@ def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes) -> WorkerRe
     last_loss = float("nan")
     with PSClient(ps_host, ps_port, rank=plan.rank, secret=secret, generation=plan.generation,
                   timeout_s=plan.ps_timeout_s) as client:
-        # Connect before anything that can fail, so a failure here reaches the server and frees the peers.
+        # Entering the client connects before anything that can fail; leaving it on an exception sends
+        # FAIL, so the server frees the peers at once instead of letting them time out.
         info = client.connect()
-        try:
-            features, labels = read_tensors(plan.train_files, plan.features_field, plan.label_field,
-                                            plan.num_features)
-            loader = ShardLoader(features, labels, steps_per_epoch=plan.steps_per_epoch, seed=plan.seed,
-                                 rank=plan.rank, prefetch=plan.prefetch)
-            validation = (read_tensors(plan.validation_files, plan.features_field, plan.label_field,
-                                       plan.num_features) if plan.validation_files else None)
-            model = build_model(ModelSpec.from_dict(plan.model))
-            loss = loss_fn(plan.task)
-            version, params = client.pull(0)
-            load_flat_parameters(model, params)
-            step = version
-            grad = torch.empty(params.numel(), dtype=torch.float32)
-            log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, starting at step %d",
-                    plan.rank, plan.world_size, len(features), plan.steps_per_epoch, plan.epochs, info.num_params,
-                    step)
-            for epoch in range(plan.epochs):
-                epoch_started = time.perf_counter()
-                loss_sum, epoch_samples = 0.0, 0
-                for x, y in loader.epoch(epoch):
-                    _maybe_inject_failure(plan, step)
-                    for p in model.parameters():
-                        p.grad = None
-                    batch_loss = loss(model(x), y)
-                    batch_loss.backward()
-                    client.push(step, flat_gradients(model, out=grad))
-                    step, params = client.pull(step + 1)
-                    load_flat_parameters(model, params)
-                    loss_sum += float(batch_loss) * len(x)
-                    epoch_samples += len(x)
-                seconds = time.perf_counter() - epoch_started
-                last_loss = loss_sum / max(epoch_samples, 1)
-                samples += epoch_samples
-                metrics = {"epoch": epoch, "step": step, "train_loss": last_loss, "samples": epoch_samples,
-                           "seconds": seconds}
-                if validation is not None:
-                    metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
-                client.report(metrics)
-                log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,
-                        epoch_samples / max(seconds, 1e-9))
-        except Exception as exc:
-            if not isinstance(exc, PSError):
-                # Tell the server first so the other ranks stop waiting for this one right away.
-                client.fail(f"{type(exc).__name__}: {exc}")
-            raise
+        features, labels = read_tensors(plan.train_files, plan.features_field, plan.label_field,
+                                        plan.num_features)
+        loader = ShardLoader(features, labels, steps_per_epoch=plan.steps_per_epoch, seed=plan.seed,
+                             rank=plan.rank, prefetch=plan.prefetch)
+        validation = (read_tensors(plan.validation_files, plan.features_field, plan.label_field,
+                                   plan.num_features) if plan.validation_files else None)
+        model = build_model(ModelSpec.from_dict(plan.model))
+        loss = loss_fn(plan.task)
+        version, params = client.pull(0)
+        load_flat_parameters(model, params)
+        step = version
+        grad = torch.empty(params.numel(), dtype=torch.float32)
+        log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, starting at step %d",
+                plan.rank, plan.world_size, len(features), plan.steps_per_epoch, plan.epochs, info.num_params,
+                step)
+        for epoch in range(plan.epochs):
+            epoch_started = time.perf_counter()
+            loss_sum, epoch_samples = 0.0, 0
+            for x, y in loader.epoch(epoch):
+                _maybe_inject_failure(plan, step)
+                for p in model.parameters():
+                    p.grad = None
+                batch_loss = loss(model(x), y)
+                batch_loss.backward()
+                client.push(step, flat_gradients(model, out=grad))
+                step, params = client.pull(step + 1)
+                load_flat_parameters(model, params)
+                loss_sum += batch_loss.item() * len(x)
+                epoch_samples += len(x)
+            seconds = time.perf_counter() - epoch_started
+            last_loss = loss_sum / max(epoch_samples, 1)
+            samples += epoch_samples
+            metrics = {"epoch": epoch, "step": step, "train_loss": last_loss, "samples": epoch_samples,
+                       "seconds": seconds}
+            if validation is not None:
+                metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
+            client.report(metrics)
+            log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,
+                    epoch_samples / max(seconds, 1e-9))
         client.finish()
     return WorkerResult(rank=plan.rank, steps=step, samples=samples, seconds=time.perf_counter() - started,
                         final_train_loss=last_loss)

@@ -114,7 +114,7 @@ def wait_for_waiter(server: ParameterServer, rank: int = 0) -> None:
 
 
 # -- the happy path -------------------------------------------------------------------------------
-def test_push_pull_round_trip_two_ranks(make_server, make_client, secret) -> None:
+def test_push_pull_round_trip_two_ranks(make_server, make_client) -> None:
     server = make_server(world_size=2)
     results = run_ranks({r: (lambda r=r: train(make_client(server, r), 3, 6)) for r in (0, 1)})
     (v0, p0), (v1, p1) = results[0], results[1]
@@ -132,7 +132,7 @@ def test_push_pull_round_trip_two_ranks(make_server, make_client, secret) -> Non
     OptimizerSpec("sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
     OptimizerSpec("adam", lr=0.01, betas=(0.8, 0.99), weight_decay=0.001),
 ], ids=["sgd", "sgd-momentum", "adam"])
-def test_sync_step_equals_torch_optimizer_on_the_mean_gradient(make_server, make_client, secret, spec) -> None:
+def test_sync_step_equals_torch_optimizer_on_the_mean_gradient(make_server, make_client, spec) -> None:
     n, world, steps = 50, 3, 3
     initial = torch.randn(n, generator=torch.Generator().manual_seed(7))
     server = make_server(initial, world_size=world, optimizer=spec)
@@ -148,7 +148,7 @@ def test_sync_step_equals_torch_optimizer_on_the_mean_gradient(make_server, make
     torch.testing.assert_close(server.parameters(), ref.detach())
 
 
-def test_sgd_lr1_is_old_minus_mean(make_server, make_client, secret) -> None:
+def test_sgd_lr1_is_old_minus_mean(make_server, make_client) -> None:
     initial = torch.arange(6, dtype=torch.float32)
     server = make_server(initial, world_size=2)
     grads = {0: torch.tensor([1.0, 2, 3, 4, 5, 6]), 1: torch.tensor([3.0, 2, 1, 0, -1, -2])}
@@ -167,7 +167,7 @@ def test_sgd_lr1_is_old_minus_mean(make_server, make_client, secret) -> None:
 
 
 # -- authentication and hostile peers -------------------------------------------------------------
-def test_wrong_secret_is_rejected_and_server_keeps_serving(make_server, make_client, secret) -> None:
+def test_wrong_secret_is_rejected_and_server_keeps_serving(make_server, make_client) -> None:
     server = make_server(world_size=1)
     with pytest.raises(AuthenticationError, match="authentication failed for rank 0"):
         make_client(server, 0, secret=b"x" * 32).connect()
@@ -183,7 +183,7 @@ def _expect_closed(sock: socket.socket) -> None:
         pass
 
 
-def test_garbage_and_truncated_frames_do_not_kill_the_server(make_server, make_client, secret) -> None:
+def test_garbage_and_truncated_frames_do_not_kill_the_server(make_server, make_client) -> None:
     server = make_server(world_size=1)
     hostile = [
         b"GET / HTTP/1.1\r\nHost: driver\r\n\r\n" + b"x" * 64,  # bad magic
@@ -203,14 +203,14 @@ def test_garbage_and_truncated_frames_do_not_kill_the_server(make_server, make_c
     assert version == 2 and server.failures == {}
 
 
-def test_silent_connection_is_dropped_at_the_handshake_deadline(make_server, secret) -> None:
+def test_silent_connection_is_dropped_at_the_handshake_deadline(make_server) -> None:
     server = make_server(world_size=1, timeout_s=0.2)
     with socket.create_connection(server.address, timeout=5) as sock:
         _expect_closed(sock)  # the server gave up waiting for AUTH
     assert server.stats["rejected_connections"] == 1
 
 
-def test_connection_flood_is_capped(make_server, secret) -> None:
+def test_connection_flood_is_capped(make_server) -> None:
     server = make_server(world_size=1)  # cap: 2 * world_size + 8 = 10 concurrent connections
     socks = [socket.create_connection(server.address, timeout=5) for _ in range(12)]
     try:
@@ -234,7 +234,7 @@ def test_malformed_frame_after_auth_drops_that_rank_only(make_server, secret) ->
 
 
 # -- generations and ranks --------------------------------------------------------------------------
-def test_wrong_generation_is_rejected_at_the_handshake(make_server, make_client, secret) -> None:
+def test_wrong_generation_is_rejected_at_the_handshake(make_server, make_client) -> None:
     server = make_server(world_size=1, generation=2)
     with pytest.raises(AuthenticationError, match="generation 1 but the server is at generation 2"):
         make_client(server, 0, generation=1).connect()
@@ -254,7 +254,7 @@ def test_frame_with_wrong_generation_is_rejected(make_server, secret) -> None:
     wait_until(lambda: 0 in server.failures, "rank 0 recorded as failed")
 
 
-def test_duplicate_rank_connection_is_rejected(make_server, make_client, secret) -> None:
+def test_duplicate_rank_connection_is_rejected(make_server, make_client) -> None:
     server = make_server(world_size=1)
     with make_client(server, 0) as first:
         with pytest.raises(AuthenticationError, match="rank 0 is already connected"):
@@ -267,14 +267,14 @@ def test_duplicate_rank_connection_is_rejected(make_server, make_client, secret)
         make_client(server, 0).connect()
 
 
-def test_rank_out_of_range_is_rejected(make_server, make_client, secret) -> None:
+def test_rank_out_of_range_is_rejected(make_server, make_client) -> None:
     server = make_server(world_size=2)
     with pytest.raises(AuthenticationError, match="rank 2 is out of range for world_size 2"):
         make_client(server, 2).connect()
 
 
 # -- refused requests keep the connection -----------------------------------------------------------
-def test_wrong_step_names_rank_step_and_version(make_server, make_client, secret) -> None:
+def test_wrong_step_names_rank_step_and_version(make_server, make_client) -> None:
     server = make_server(world_size=1)
     with make_client(server, 0) as c:
         with pytest.raises(PSError, match="rank 0 pushed a gradient for step 5 but the server is at version 0"):
@@ -286,7 +286,7 @@ def test_wrong_step_names_rank_step_and_version(make_server, make_client, secret
         c.finish()
 
 
-def test_double_push_and_unreachable_pull_are_refused_at_once(make_server, make_client, secret) -> None:
+def test_double_push_and_unreachable_pull_are_refused_at_once(make_server, make_client) -> None:
     server = make_server(world_size=2)
     with make_client(server, 0) as c:
         with pytest.raises(PSError, match="has not pushed step 0"):
@@ -300,7 +300,7 @@ def test_double_push_and_unreachable_pull_are_refused_at_once(make_server, make_
     assert server.stats["pushes_applied"] == 1
 
 
-def test_non_finite_gradient_is_refused(make_server, make_client, secret) -> None:
+def test_non_finite_gradient_is_refused(make_server, make_client) -> None:
     server = make_server(world_size=1)
     with make_client(server, 0) as c:
         with pytest.raises(PSError, match="NaN/Inf for step 0"):
@@ -310,7 +310,7 @@ def test_non_finite_gradient_is_refused(make_server, make_client, secret) -> Non
 
 
 # -- deadlines and failing fast -----------------------------------------------------------------------
-def test_rank_that_never_pushes_times_out_naming_it(make_server, make_client, secret) -> None:
+def test_rank_that_never_pushes_times_out_naming_it(make_server, make_client) -> None:
     server = make_server(world_size=3, timeout_s=0.3)
     with make_client(server, 0) as c0, make_client(server, 1) as c1:
         c0.push(0, torch.ones(6))
@@ -324,7 +324,7 @@ def test_rank_that_never_pushes_times_out_naming_it(make_server, make_client, se
 
 
 @pytest.mark.parametrize("how", ["disconnect", "fail", "finish"])
-def test_dead_failed_or_finished_peer_fails_the_waiter_fast(make_server, make_client, secret, how) -> None:
+def test_dead_failed_or_finished_peer_fails_the_waiter_fast(make_server, make_client, how) -> None:
     # A long deadline: only failing fast (not the timeout) can end the wait within the test.
     server = make_server(world_size=2, timeout_s=30)
     c0, c1 = make_client(server, 0), make_client(server, 1)
@@ -354,7 +354,7 @@ def test_dead_failed_or_finished_peer_fails_the_waiter_fast(make_server, make_cl
     c0.close()
 
 
-def test_requests_after_a_peer_failed_are_refused(make_server, make_client, secret) -> None:
+def test_requests_after_a_peer_failed_are_refused(make_server, make_client) -> None:
     server = make_server(world_size=2)
     with make_client(server, 0) as c0, make_client(server, 1) as c1:
         c1.fail("boom")
@@ -365,7 +365,7 @@ def test_requests_after_a_peer_failed_are_refused(make_server, make_client, secr
     assert "after rank(s) 1 had failed" in server.failures[0].error
 
 
-def test_server_fail_wakes_waiters_and_refuses_newcomers(make_server, make_client, secret) -> None:
+def test_server_fail_wakes_waiters_and_refuses_newcomers(make_server, make_client) -> None:
     server = make_server(world_size=2, timeout_s=30)
     c0 = make_client(server, 0)
     c0.connect()
@@ -379,7 +379,7 @@ def test_server_fail_wakes_waiters_and_refuses_newcomers(make_server, make_clien
     c0.close()
 
 
-def test_close_wakes_waiters_and_is_idempotent(make_server, make_client, secret) -> None:
+def test_close_wakes_waiters_and_is_idempotent(make_server, make_client) -> None:
     server = make_server(world_size=2, timeout_s=30)
     c0 = make_client(server, 0)
     c0.connect()
@@ -394,7 +394,7 @@ def test_close_wakes_waiters_and_is_idempotent(make_server, make_client, secret)
 
 
 # -- metrics, generations, checkpoints --------------------------------------------------------------
-def test_metrics_reach_the_callback_and_a_failing_callback_is_contained(make_server, make_client, secret, caplog):
+def test_metrics_reach_the_callback_and_a_failing_callback_is_contained(make_server, make_client, caplog):
     seen: list[tuple[int, dict]] = []
 
     def on_metrics(rank: int, metrics: dict) -> None:
@@ -414,7 +414,7 @@ def test_metrics_reach_the_callback_and_a_failing_callback_is_contained(make_ser
     assert server.failures == {} and server.version == 1
 
 
-def test_new_generation_keeps_state_and_cuts_the_old_attempt(make_server, make_client, secret) -> None:
+def test_new_generation_keeps_state_and_cuts_the_old_attempt(make_server, make_client) -> None:
     server = make_server(world_size=2)
     run_ranks({r: (lambda r=r: train(make_client(server, r), 1, 6)) for r in (0, 1)})
     params_after_1 = server.parameters()
@@ -438,7 +438,7 @@ def test_new_generation_keeps_state_and_cuts_the_old_attempt(make_server, make_c
     assert run_ranks({r: (lambda r=r: resume(r)) for r in (0, 1)}) == {0: 2, 1: 2}
 
 
-def test_new_generation_disconnects_live_old_connections(make_server, make_client, secret) -> None:
+def test_new_generation_disconnects_live_old_connections(make_server, make_client) -> None:
     server = make_server(world_size=2)
     with make_client(server, 0) as old:
         server.new_generation(5)
@@ -447,7 +447,7 @@ def test_new_generation_disconnects_live_old_connections(make_server, make_clien
     assert server.failures == {}  # being cut by a new generation is not a failure
 
 
-def test_state_dict_round_trip_continues_identically(make_server, make_client, secret) -> None:
+def test_state_dict_round_trip_continues_identically(make_server, make_client) -> None:
     spec = OptimizerSpec("adam", lr=0.05)
     a = make_server(world_size=1, optimizer=spec)
     run_ranks({0: lambda: train(make_client(a, 0), 2, 6)})
@@ -481,3 +481,27 @@ def test_constructor_validates(secret, kwargs, match) -> None:
 def test_address_binds_loopback_with_an_os_chosen_port(make_server) -> None:
     host, port = make_server(world_size=1).address
     assert host == "127.0.0.1" and port > 0
+
+
+def test_load_state_dict_checks_the_optimizer_and_keeps_current_hyperparameters(make_server) -> None:
+    sgd = make_server(world_size=1, optimizer=OptimizerSpec("sgd", lr=0.5, momentum=0.9))
+    state = sgd.state_dict()
+    assert state["optimizer_spec"]["name"] == "sgd" and state["version"] == 0
+    adam = make_server(world_size=1, optimizer=OptimizerSpec("adam"))
+    with pytest.raises(PSError, match="trained with optimizer 'sgd' but train.optimizer is 'adam'"):
+        adam.load_state_dict(state)
+    lower_lr = make_server(world_size=1, optimizer=OptimizerSpec("sgd", lr=0.01, momentum=0.5))
+    lower_lr.load_state_dict(state)
+    group = lower_lr.state_dict()["optimizer"]["param_groups"][0]
+    assert group["lr"] == 0.01 and group["momentum"] == 0.5
+    with pytest.raises(PSError, match="do not match"):
+        lower_lr.load_state_dict({**state, "params": torch.zeros(3)})
+
+
+def test_finite_check_is_exact_even_when_the_sum_overflows() -> None:
+    from pipeline.ps.server import _all_finite
+
+    assert _all_finite(torch.tensor([3e38, 3e38, -1.0]))  # the sum overflows, the values are finite
+    assert not _all_finite(torch.tensor([0.0, float("inf")]))
+    assert not _all_finite(torch.tensor([float("nan"), 1.0]))
+    assert not _all_finite(torch.tensor([float("inf"), float("-inf")]))

@@ -1,0 +1,61 @@
+"""The barrier launch on a real local Spark session: failures, preflight, teardown."""
+import threading
+import time
+
+import pytest
+
+from pipeline.config import build
+from pipeline.errors import ConfigError, WorkerTrainingFailedError
+from pipeline.etl import run_etl
+from pipeline.launch import train
+
+
+@pytest.fixture(scope="module")
+def shards(spark, tmp_path_factory):
+    work = tmp_path_factory.mktemp("launch")
+    cfg = build({"name": "launch", "workdir": str(work), "parallelism": {"data": 2}, "data": {"source": "digits"},
+                 "train": {"epochs": 2, "batch_size": 64}, "model": {"hidden": [16]},
+                 "ps": {"timeout_s": 30}})
+    return cfg, run_etl(spark, cfg)
+
+
+def _ps_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("ps-")]
+
+
+def test_a_raising_worker_gives_one_exception_naming_its_rank(spark, shards):
+    cfg, manifest = shards
+    failing = cfg.model_copy(update={"faults": cfg.faults.model_copy(update={"fail_rank": 1, "fail_step": 3})})
+    started = time.monotonic()
+    with pytest.raises(WorkerTrainingFailedError) as info:
+        train(spark, failing, manifest)
+    error = info.value
+    assert list(error.failures) == [1]  # the root cause only, not the peer it took down
+    assert "InjectedFault" in error.failures[1].error and "step 3" in error.failures[1].error
+    assert "rank 1" in error.failures[1].log_tail  # the worker's own log lines came back
+    assert "rank(s) 1" in str(error)
+    assert time.monotonic() - started < cfg.ps.timeout_s  # the peer was released, not left to time out
+    deadline = time.monotonic() + 10
+    while _ps_threads() and time.monotonic() < deadline:  # PS torn down in `finally`
+        time.sleep(0.1)
+    assert _ps_threads() == []
+
+
+def test_training_after_a_failure_succeeds_and_runs_planned_steps(spark, shards):
+    cfg, manifest = shards
+    result = train(spark, cfg, manifest)
+    steps = -(-min(s.rows for s in manifest.split("train").shards) // cfg.train.batch_size)
+    assert result.steps == steps * cfg.train.epochs
+    assert [r["rank"] for r in result.ranks] == [0, 1] and all(r["ok"] for r in result.ranks)
+    assert [row["epoch"] for row in result.history] == [0, 1]
+    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"]
+    assert result.ps_stats["pushes_applied"] == 2 * result.steps
+
+
+def test_preflight_rejects_more_workers_than_slots(spark, shards):
+    cfg, manifest = shards
+    too_many = cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(update={"data": 3})})
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"parallelism.data=3 workers need 3 concurrent task slots.*has 2"):
+        train(spark, too_many, manifest)
+    assert time.monotonic() - started < 5

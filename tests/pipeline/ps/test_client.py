@@ -1,0 +1,141 @@
+"""PSClient: deadlines become PSTimeoutError naming what was awaited, local validation keeps the
+stream in sync, FAIL is best effort, and the PARAMS buffer is reused."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from pipeline.errors import AuthenticationError, PSError, PSTimeoutError
+from pipeline.ps import PSClient, new_secret
+from pipeline.ps.protocol import MAX_JSON_BYTES, Channel, MsgType, PeerClosedError
+
+
+class SilentServer:
+    """Accepts one connection, optionally completes the handshake, then reads but never answers:
+    a stand-in for a hung driver."""
+
+    def __init__(self, *, handshake: bool) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.handshake = handshake
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        sock, _ = self.listener.accept()
+        channel = Channel(sock, max_elements=4)
+        try:
+            if self.handshake:
+                channel.send_bytes(MsgType.CHALLENGE, b"n" * 32, generation=1, rank=0, timeout=5)
+                header = channel.recv_header(None)
+                channel.recv_bytes(header, None)  # accept any AUTH: this fake checks nothing
+                channel.send_json(MsgType.WELCOME, {"num_params": 4, "version": 0, "world_size": 1},
+                                  generation=1, rank=0, timeout=5)
+            while True:  # swallow requests until the client gives up
+                header = channel.recv_header(None)
+                channel.skip(header, None)
+        except (PeerClosedError, PSError, OSError):
+            pass
+        finally:
+            channel.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def silent():
+    servers: list[SilentServer] = []
+
+    def make(*, handshake: bool) -> SilentServer:
+        servers.append(SilentServer(handshake=handshake))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_handshake_deadline_names_what_and_the_key(silent) -> None:
+    host, port = silent(handshake=False).address
+    with pytest.raises(PSTimeoutError, match=r"rank 3 timed out after 0.2s waiting for the handshake.*ps\.timeout_s"):
+        PSClient(host, port, rank=3, secret=new_secret(), timeout_s=0.2).connect()
+
+
+def test_ack_deadline_raises_and_disconnects(silent) -> None:
+    host, port = silent(handshake=True).address
+    c = PSClient(host, port, rank=0, secret=new_secret(), timeout_s=0.2)
+    assert c.connect().num_params == 4
+    with pytest.raises(PSTimeoutError, match=r"the ACK of the gradient for step 0.*ps\.timeout_s"):
+        c.push(0, torch.zeros(4))
+    with pytest.raises(PSError, match="not connected"):  # the stream was out of sync: dropped
+        c.push(0, torch.zeros(4))
+
+
+def test_unreachable_server_is_a_clear_error() -> None:
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(PSError, match=f"cannot reach the parameter server at 127.0.0.1:{port}"):
+        PSClient("127.0.0.1", port, rank=0, secret=new_secret(), timeout_s=0.5).connect()
+
+
+def test_server_hanging_up_mid_handshake_is_an_authentication_error() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=lambda: listener.accept()[0].close(), daemon=True).start()
+    with pytest.raises(AuthenticationError, match="closed the connection during the handshake"):
+        PSClient(*listener.getsockname(), rank=0, secret=new_secret(), timeout_s=1).connect()
+    listener.close()
+
+
+def test_local_validation_does_not_break_the_connection(make_server, make_client) -> None:
+    server = make_server(world_size=1)
+    c = make_client(server, 0)
+    info = c.connect()
+    assert c.connect() is info and c.info is info  # idempotent
+    assert (info.num_params, info.version, info.world_size) == (6, 0, 1)
+    with pytest.raises(PSError, match="exceeds"):
+        c.report({"blob": "x" * MAX_JSON_BYTES})
+    with pytest.raises(PSError, match="pushed 5 gradient values for step 0"):
+        c.push(0, torch.zeros(5))
+    c.push(0, torch.ones(2, 3, dtype=torch.float64).t())  # converted: any shape, dtype, layout
+    assert c.pull(1)[0] == 1
+    c.finish()
+    with pytest.raises(PSError, match="not connected"):
+        c.pull()
+
+
+def test_pull_reuses_one_receive_buffer(make_server, make_client) -> None:
+    server = make_server(world_size=1)
+    with make_client(server, 0) as c:
+        version, first = c.pull(0)
+        before = first.clone()
+        c.push(0, torch.ones(6))
+        version, second = c.pull(1)
+        assert version == 1 and second is first  # same tensor, refilled in place
+        assert torch.equal(second, before - 1.0)
+        c.finish()
+
+
+def test_exception_inside_the_block_is_reported_as_a_failure(make_server, make_client) -> None:
+    server = make_server(world_size=2)
+    with pytest.raises(RuntimeError):
+        with make_client(server, 1):
+            raise RuntimeError("loader crashed on shard 7")
+    assert "RuntimeError: loader crashed on shard 7" in server.failures[1].error
+
+
+def test_fail_connects_first_and_never_raises(make_server, make_client) -> None:
+    server = make_server(world_size=2)
+    make_client(server, 1).fail("could not open shard", log_tail="Traceback ...")
+    assert server.failures[1].error == "could not open shard"
+    assert server.failures[1].log_tail == "Traceback ..."
+    c0 = make_client(server, 0)
+    c0.connect()
+    server.close()
+    c0.fail("too late")  # server gone: logged, not raised
+

@@ -1,0 +1,69 @@
+"""End to end on digits: ETL -> barrier training with the driver PS -> Spark evaluation -> MLflow."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from pipeline import steps
+from pipeline.config import load
+
+
+@pytest.fixture(scope="module")
+def outcome(spark, tmp_path_factory, conf_dir):
+    work = tmp_path_factory.mktemp("e2e")
+    cfg = load(f"{conf_dir}/digits.yaml", [f"workdir={work}", f"tracking.uri=sqlite:///{work}/mlflow.db",
+                                           "tracking.registered_model=digits-e2e"])
+    return cfg, steps.run_all(spark, cfg)
+
+
+@pytest.mark.slow
+def test_digits_reaches_the_accuracy_bar(outcome):
+    cfg, result = outcome
+    assert result.test_metrics["accuracy"] >= 0.95
+    assert result.test_metrics["macro_f1"] >= 0.94
+
+
+@pytest.mark.slow
+def test_mlflow_run_holds_everything(outcome, spark):
+    import mlflow
+    import torch
+    from mlflow import MlflowClient
+
+    from pipeline.data import read_tensors
+
+    cfg, result = outcome
+    client = MlflowClient(result.tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["parallelism.data"] == "2" and run.data.params["ps.mode"] == "sync"
+    assert run.data.params["train.epochs"] == str(cfg.train.epochs)
+    for key in ("train_loss", "val_loss", "val_accuracy", "samples_per_s"):
+        history = client.get_metric_history(result.run_id, key)
+        assert sorted(m.step for m in history) == list(range(cfg.train.epochs)), key
+    assert run.data.metrics["test_accuracy"] == pytest.approx(result.test_metrics["accuracy"])
+    assert "test_macro_f1" in run.data.metrics
+    artifacts = {a.path for folder in ("data", "plots", "evaluation")
+                 for a in client.list_artifacts(result.run_id, folder)}
+    assert {"data/manifest.json", "plots/training_curves.png", "evaluation/confusion_matrix.png",
+            "evaluation/confusion_matrix.json"} <= artifacts
+    local = client.download_artifacts(result.run_id, "data/manifest.json")
+    assert json.loads(open(local).read())["fingerprint"].startswith("sha256:")
+
+    model = mlflow.pytorch.load_model(result.model_uri)
+    manifest = steps.load_shards(cfg)
+    x, y = read_tensors(manifest.files("test"))
+    with torch.no_grad():
+        predicted = model(x).argmax(dim=1)
+    accuracy = (predicted == y).float().mean().item()
+    assert accuracy == pytest.approx(result.test_metrics["accuracy"], abs=1e-6)
+    versions = client.search_model_versions("name='digits-e2e'")
+    assert len(versions) == 1
+
+
+@pytest.mark.slow
+def test_evaluate_step_reuses_the_trained_model_and_run(outcome, spark):
+    cfg, result = outcome
+    again = steps.evaluate(spark, cfg)
+    assert again.run_id == result.run_id
+    assert again.test_metrics["accuracy"] == pytest.approx(result.test_metrics["accuracy"])
