@@ -1,0 +1,83 @@
+"""The import arrows of DESIGN.md, checked on the source (lazy imports included) and in fresh interpreters."""
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# module -> pipeline modules it may import (besides itself and pipeline.errors)
+ALLOWED = {
+    "config": set(),
+    "errors": set(),
+    "etl": {"config", "shards"},
+    "shards": {"config"},
+    "data": {"shards"},
+    "models": {"config"},
+    "ps": set(),
+    "worker": {"data", "models", "ps"},
+    "launch": {"config", "worker", "ps", "shards", "models", "data"},
+    "evaluate": {"models", "shards"},
+    "tracking": {"config"},
+    "session": {"config"},
+    "notebook": set(),
+    "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking"},
+    "cli": {"config", "session", "steps"},
+}
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(REPO / "pipeline")
+    return rel.parts[0].removesuffix(".py")
+
+
+def test_every_module_has_an_arrow():
+    names = {_module_of(p) for p in (REPO / "pipeline").rglob("*.py") if p.name != "__init__.py" or
+             p.parent != REPO / "pipeline"}
+    assert names <= set(ALLOWED), names - set(ALLOWED)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "pipeline").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_imports_follow_the_arrows(path):
+    if path == REPO / "pipeline" / "__init__.py":
+        return
+    owner = _module_of(path)
+    for name in _imports(path):
+        top = name.split(".")
+        if top[0] == "pipeline" and len(top) > 1 and top[1] not in (owner, "errors"):
+            assert top[1] in ALLOWED[owner], f"{path.relative_to(REPO)} imports {name}"
+        if top[0] == "mlflow":
+            assert owner == "tracking", f"only pipeline.tracking may import mlflow ({path})"
+        if "BarrierTaskContext" in path.read_text():
+            assert owner == "launch", f"only pipeline.launch may touch BarrierTaskContext ({path})"
+        if top[0] == "pyspark":
+            assert owner not in ("worker", "data", "ps", "models"), f"{path} must not import Spark"
+
+
+def test_udfs_import_nothing_from_pipeline():
+    for path in (REPO / "udfs").rglob("*.py"):
+        assert not any(n.split(".")[0] == "pipeline" for n in _imports(path)), path
+
+
+@pytest.mark.parametrize("module", ["pipeline.config", "pipeline.ps", "pipeline.worker", "pipeline.data",
+                                    "pipeline.launch", "pipeline.shards", "pipeline.tracking", "pipeline.cli"])
+def test_fresh_import_pulls_no_heavy_optional_dependency(module):
+    code = (f"import sys, {module}; heavy = [m for m in ('mlflow', 'pyspark', 'matplotlib') if m in sys.modules];"
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing {module} imported {out.stdout.strip()}"
