@@ -44,32 +44,31 @@ def _q(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def cast_and_filter(df, features: list[str], data: DataConfig, label_numeric: bool):
+def cast_and_filter(df, features: list[str], data: DataConfig):
     """Cast features (and a regression label) to double; count and drop or reject invalid rows."""
     from pyspark.sql import functions as F
 
     label_col = data.label
     cast_cols = features + ([label_col] if data.task == "regression" else [])
+    checks = cast_cols if data.task == "regression" else cast_cols + [label_col]
+
+    def invalid(c):
+        if c not in cast_cols:  # an untouched classification label: only null is invalid
+            return F.col(c).isNull()
+        return F.col(c).isNull() | F.isnan(F.col(c)) | (F.abs(F.col(c)) == float("inf"))
+
+    # Per-row flags live in two flat array columns: a wide table then gives a flat plan instead of a
+    # chain of hundreds of nested ORs, which Spark's optimizer handles very slowly.
     casted = df.select(
         *[F.col(c) for c in df.columns if c not in cast_cols],
         *[F.expr(f"try_cast({_q(c)} AS DOUBLE)").alias(c) for c in cast_cols],
-        *[F.col(c).isNotNull().alias(f"__present_{i}") for i, c in enumerate(cast_cols)],
-    )
-
-    def invalid(c):
-        return F.col(c).isNull() | F.isnan(F.col(c)) | F.col(c).isin(float("inf"), float("-inf"))
-
-    checks = cast_cols if data.task == "regression" else cast_cols + [label_col]
-    aggs = [F.count(F.lit(1)).alias("__rows")]
-    for i, c in enumerate(checks):
-        aggs.append(F.sum(invalid(c).cast("long") if c in cast_cols else F.col(c).isNull().cast("long")).alias(f"__bad_{i}"))
-    for i, c in enumerate(cast_cols):
-        aggs.append(F.sum((F.col(f"__present_{i}") & F.col(c).isNull()).cast("long")).alias(f"__nonnum_{i}"))
-    any_invalid = None
-    for c in checks:
-        cond = invalid(c) if c in cast_cols else F.col(c).isNull()
-        any_invalid = cond if any_invalid is None else (any_invalid | cond)
-    aggs.append(F.sum(any_invalid.cast("long")).alias("__bad_rows"))
+        F.array(*[(F.col(c).isNotNull() & F.expr(f"try_cast({_q(c)} AS DOUBLE)").isNull())
+                  for c in cast_cols]).alias("__nonnum"),
+    ).withColumn("__bad", F.array(*[invalid(c) for c in checks]))
+    any_invalid = F.array_contains(F.col("__bad"), True)
+    aggs = [F.count(F.lit(1)).alias("__rows"), F.sum(any_invalid.cast("long")).alias("__bad_rows")]
+    aggs += [F.sum(F.col("__bad")[i].cast("long")).alias(f"__bad_{i}") for i in range(len(checks))]
+    aggs += [F.sum(F.col("__nonnum")[i].cast("long")).alias(f"__nonnum_{i}") for i in range(len(cast_cols))]
     row = casted.agg(*aggs).collect()[0]
     report = CleanReport(input_rows=row["__rows"] or 0, invalid_rows=row["__bad_rows"] or 0)
     report.invalid_by_column = {c: row[f"__bad_{i}"] for i, c in enumerate(checks) if row[f"__bad_{i}"]}
@@ -81,7 +80,7 @@ def cast_and_filter(df, features: list[str], data: DataConfig, label_numeric: bo
             f"{report.invalid_rows} of {report.input_rows} rows have null/NaN/inf or non-numeric values "
             f"(by column: {report.invalid_by_column}; non-numeric: {report.non_numeric or 'none'}); "
             "fix the input or set data.invalid_rows=drop")
-    cleaned = casted.where(~any_invalid).drop(*[f"__present_{i}" for i in range(len(cast_cols))])
+    cleaned = casted.where(~any_invalid).drop("__bad", "__nonnum")
     report.output_rows = report.input_rows - report.invalid_rows
     if report.output_rows == 0:
         raise DataError(f"all {report.input_rows} input rows are invalid (by column: {report.invalid_by_column})")

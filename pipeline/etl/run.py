@@ -55,7 +55,7 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
         raise DataError(f"id column {id_column!r} (data.id_column) is not in the input; columns: {raw.columns}")
     features = feature_columns(raw.columns, data, id_column)
     selected = raw.select(*dict.fromkeys(([id_column] if id_column else []) + features + [data.label]))
-    cleaned, report = cast_and_filter(selected, features, data, label_numeric=data.task == "regression")
+    cleaned, report = cast_and_filter(selected, features, data)
 
     labels, numeric_labels = (None, False)
     if data.task == "classification":
@@ -78,9 +78,9 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
             means, stds = train_statistics(split, features, SPLIT_COLUMN)
         else:
             means, stds = [0.0] * len(features), [1.0] * len(features)
-        num_shards = {"train": workers, "validation": 1 if totals["validation"] else 0, "test": workers}
-        num_shards = {k: max(1, min(v, totals[k])) if totals[k] else 0 for k, v in num_shards.items()}
-        num_shards["train"] = workers
+        # One train shard per worker; validation is read whole by rank 0; test is spread for Spark evaluation.
+        num_shards = {"train": workers, "validation": min(1, totals["validation"]),
+                      "test": min(workers, totals["test"])}
         label_is_integer = data.task == "classification"
         pack = make_pack_fn(features, data.label, SPLIT_COLUMN, means if data.standardize else None,
                             stds if data.standardize else None, offsets, num_shards, label_is_integer)

@@ -1,8 +1,8 @@
 """Evaluate a model on a split of the shard set inside Spark.
 
-Each partition rebuilds the model once from plain values (spec + weights captured in the closure, which
-Spark ships with the task like a broadcast), scores its Arrow batches, and returns one row of additive
-partial sums; the driver adds the rows up. No prediction rows travel back to the driver.
+Each partition rebuilds the model once from plain values (the spec, and the weights as a broadcast
+variable), scores its Arrow batches, and returns one row of additive partial sums; the driver adds the
+rows up. No prediction rows travel back to the driver.
 """
 from __future__ import annotations
 
@@ -20,7 +20,26 @@ from pipeline.shards import Manifest
 log = logging.getLogger(__name__)
 
 
-def _make_partials_fn(spec_dict: dict, weights: np.ndarray, features_field: str, label_field: str,
+class _Inline:
+    """Stands in for a broadcast where a session has no SparkContext (Spark Connect): the value then
+    travels inside the task closure."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def unpersist(self) -> None:
+        pass
+
+
+def _broadcast(spark, value):
+    try:
+        context = spark.sparkContext
+    except Exception:  # Spark Connect sessions have no SparkContext
+        return _Inline(value)
+    return context.broadcast(value)
+
+
+def _make_partials_fn(spec_dict: dict, weights, features_field: str, label_field: str,
                       num_features: int, num_classes: int | None):
     def score(batches):
         import pyarrow as pa
@@ -29,7 +48,7 @@ def _make_partials_fn(spec_dict: dict, weights: np.ndarray, features_field: str,
         from pipeline.models import ModelSpec, build_model, load_flat_parameters
 
         model = build_model(ModelSpec.from_dict(spec_dict))
-        load_flat_parameters(model, torch.from_numpy(weights))
+        load_flat_parameters(model, torch.from_numpy(weights.value))
         model.eval()
         total = None
         with torch.no_grad():
@@ -60,10 +79,14 @@ def evaluate(spark, manifest: Manifest, spec: ModelSpec, parameters, split: str 
     weights = parameters.detach().cpu().numpy().astype(np.float32) if hasattr(parameters, "detach") \
         else np.asarray(parameters, dtype=np.float32)
     num_classes = manifest.num_classes if manifest.task == "classification" else None
-    fn = _make_partials_fn(spec.to_dict(), weights, manifest.features_field, manifest.label_field,
+    shipped = _broadcast(spark, weights)
+    fn = _make_partials_fn(spec.to_dict(), shipped, manifest.features_field, manifest.label_field,
                            manifest.num_features, num_classes)
-    partials = spark.read.parquet(*files).select(manifest.features_field, manifest.label_field) \
-        .mapInArrow(fn, "partial array<double>").collect()
+    try:
+        partials = spark.read.parquet(*files).select(manifest.features_field, manifest.label_field) \
+            .mapInArrow(fn, "partial array<double>").collect()
+    finally:
+        shipped.unpersist()
     total = np.sum([np.asarray(r["partial"]) for r in partials], axis=0)
     if manifest.task == "classification":
         metrics, confusion = classification_metrics(total, num_classes)

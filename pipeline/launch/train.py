@@ -17,6 +17,7 @@ from pipeline.errors import WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.preflight import check_barrier_slots
 from pipeline.launch.progress import EpochProgress
 from pipeline.launch.task import RESULT_SCHEMA, make_task_fn
+from pipeline.launch.watchdog import StageWatchdog
 from pipeline.models import ModelSpec, build_model, flat_parameters, model_spec
 from pipeline.shards import Manifest, rank_files, steps_per_epoch
 from pipeline.worker import WorkerPlan
@@ -56,8 +57,8 @@ def _ps_host(spark, cfg: PipelineConfig) -> str:
 
 
 def _plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, generation: int) -> list[dict]:
-    validation = tuple(manifest.files("validation")) if "validation" in manifest.splits else ()
-    validation = validation if manifest.splits.get("validation") and manifest.split("validation").rows else ()
+    has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
+    validation = tuple(manifest.files("validation")) if has_validation else ()
     extra = {"fail_rank": cfg.faults.fail_rank, "fail_step": cfg.faults.fail_step}
     return [
         WorkerPlan(
@@ -113,16 +114,19 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
         ps_host, ps_port = server.address
         task_fn = make_task_fn(plans, ps_host, ps_port, secret, cfg.train.log_tail_lines)
         ranks_df = spark.range(0, workers, 1, workers)
+        watchdog = StageWatchdog(server, workers, connect_timeout_s=cfg.ps.timeout_s, grace_s=cfg.ps.timeout_s,
+                                 cancel=lambda reason: _interrupt(spark, tag))
         spark.addTag(tag)
         try:
-            rows = [r.asDict() for r in
-                    ranks_df.mapInArrow(task_fn, RESULT_SCHEMA, barrier=True).collect()]
+            with watchdog:
+                rows = [r.asDict() for r in ranks_df.mapInArrow(task_fn, RESULT_SCHEMA, barrier=True).collect()]
         except BaseException as exc:
             server.fail(f"the Spark barrier job failed: {_spark_error_summary(exc)}")
             _interrupt(spark, tag)
-            failures = server.root_failures or dict(server.failures) or {-1: WorkerFailure(-1, "the barrier stage failed before any "
-                                                                        "rank reported (see the Spark error)")}
-            raise WorkerTrainingFailedError(failures, cause=_spark_error_summary(exc)) from exc
+            unknown = WorkerFailure(-1, watchdog.reason or "the barrier stage failed before any rank reported "
+                                                           "(see the Spark error)")
+            failures = server.root_failures or dict(server.failures) or {-1: unknown}
+            raise WorkerTrainingFailedError(failures, cause=watchdog.reason or _spark_error_summary(exc)) from exc
         finally:
             spark.removeTag(tag)
         failed = [r for r in rows if not r["ok"]]

@@ -143,6 +143,7 @@ class ParameterServer:
         # Ranks whose failure only followed an earlier failure or abort (a dropped peer, not a cause).
         self._consequences: set[int] = set()
         self._finished: set[int] = set()
+        self._registered: set[int] = set()  # ranks that completed the handshake in this generation
         self._abort_reason: str | None = None
         self._closed = False
         self._replying = 0  # requests woken by fail()/close() that still have to send their ERROR
@@ -251,6 +252,7 @@ class ParameterServer:
             self._failures.clear()
             self._consequences.clear()
             self._finished.clear()
+            self._registered.clear()
             self._pushed.clear()
             self._grad_sum.zero_()
             self._abort_reason = None
@@ -296,6 +298,18 @@ class ParameterServer:
         """Failures that were not just the fallout of an earlier one: what a report should name."""
         with self._cond:
             return {r: f for r, f in self._failures.items() if r not in self._consequences}
+
+    @property
+    def registered_ranks(self) -> set[int]:
+        """Ranks that authenticated in this generation (connected now, finished or failed since)."""
+        with self._cond:
+            return set(self._registered)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether fail() was called or a rank failed: the current attempt cannot complete."""
+        with self._cond:
+            return self._abort_reason is not None or bool(self._failures)
 
     @property
     def finished_ranks(self) -> set[int]:
@@ -475,6 +489,7 @@ class ParameterServer:
                 nbytes = self._num_params * 4
                 conn = _Conn(rank, self._generation, channel, bytearray(nbytes))
                 self._conns[rank] = conn
+                self._registered.add(rank)
                 version = self._version
         if reason is not None:
             self._reject(channel, peer, reason, kind="error", generation=header.generation, rank=rank)

@@ -129,10 +129,13 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
 
 
 def fingerprint_files(root: str | os.PathLike, relative_paths: list[str], header: dict[str, Any]) -> str:
-    """sha256 over the manifest's content-defining fields and every shard file's bytes, in a fixed order."""
+    """sha256 over the manifest's content-defining fields and every shard file's bytes, in a fixed order.
+
+    File names (which carry a random write id) are left out, so the same data gives the same fingerprint.
+    """
     digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     for rel in sorted(relative_paths):
-        digest.update(rel.encode())
+        digest.update(os.path.dirname(rel).encode())
         with open(os.path.join(root, rel), "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)

@@ -6,6 +6,7 @@ set (or nothing) — never a half-written one.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -92,4 +93,4 @@ def write_shards(
         shutil.rmtree(staging, ignore_errors=True)
     log.info("committed shard set %s: %s", target,
              ", ".join(f"{k} {v.rows} rows in {len(v.shards)} shards" for k, v in manifest.splits.items()))
-    return Manifest(**{**manifest.__dict__, "root": str(target)})
+    return dataclasses.replace(manifest, root=str(target))

@@ -38,6 +38,7 @@ def test_rerun_is_deterministic(spark, digits_cfg):
     second = run_etl(spark, digits_cfg)
     assert [s.rows for s in first.split("train").shards] == [s.rows for s in second.split("train").shards]
     assert first.means == second.means
+    assert first.fingerprint == second.fingerprint  # same data, same fingerprint
 
 
 def test_failed_write_leaves_previous_shard_set_intact(spark, digits_cfg, monkeypatch):

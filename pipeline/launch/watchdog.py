@@ -1,0 +1,64 @@
+"""Driver-side watchdog over a running barrier stage.
+
+Spark's `collect()` has no deadline of its own. The PS fails any step a connected worker stalls, but a
+task that never reaches the PS (stuck before connecting) or lingers after the attempt is already lost
+would keep the barrier job, and the driver, waiting. The watchdog cancels the job in those cases.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+class StageWatchdog:
+    """Cancels the stage when ranks miss the connect deadline, or when a failed attempt outlives `grace_s`."""
+
+    def __init__(self, server, world_size: int, *, connect_timeout_s: float, grace_s: float,
+                 cancel: Callable[[str], None], poll_s: float = 0.2):
+        self._server = server
+        self._world_size = world_size
+        self._connect_timeout_s = connect_timeout_s
+        self._grace_s = grace_s
+        self._cancel = cancel
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shardline-stage-watchdog", daemon=True)
+        self.reason: Optional[str] = None
+
+    def __enter__(self) -> "StageWatchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _fire(self, reason: str) -> None:
+        self.reason = reason
+        log.error("cancelling the barrier stage: %s", reason)
+        self._server.fail(reason)
+        try:
+            self._cancel(reason)
+        except Exception:  # cancellation is best effort; the PS abort already releases the workers
+            log.warning("could not cancel the barrier stage", exc_info=True)
+
+    def _watch(self) -> None:
+        started = time.monotonic()
+        failed_since: Optional[float] = None
+        while not self._stop.wait(self._poll_s):
+            now = time.monotonic()
+            if self._server.aborted:
+                failed_since = failed_since or now
+                if now - failed_since > self._grace_s:
+                    self._fire(f"the training attempt failed and its tasks did not stop within {self._grace_s:.0f}s")
+                    return
+                continue
+            missing = sorted(set(range(self._world_size)) - self._server.registered_ranks)
+            if missing and now - started > self._connect_timeout_s:
+                self._fire(f"rank(s) {missing} did not connect to the parameter server within "
+                           f"{self._connect_timeout_s:g}s; raise ps.timeout_s if executors start slowly")
+                return

@@ -1,0 +1,52 @@
+"""The stage watchdog against a real parameter server (no Spark needed to decide when to cancel)."""
+import threading
+import time
+
+import torch
+
+from pipeline.launch.watchdog import StageWatchdog
+from pipeline.ps import OptimizerSpec, PSClient, ParameterServer, new_secret
+
+
+def _server(secret, world=2):
+    return ParameterServer(torch.zeros(8), world_size=world, secret=secret, optimizer=OptimizerSpec(),
+                           host="127.0.0.1", timeout_s=5)
+
+
+def test_ranks_that_never_connect_cancel_the_stage_naming_them():
+    secret = new_secret()
+    cancelled = threading.Event()
+    with _server(secret) as server:
+        with PSClient(*server.address, rank=0, secret=secret, timeout_s=5) as client:
+            client.connect()
+            with StageWatchdog(server, 2, connect_timeout_s=0.5, grace_s=5, cancel=lambda r: cancelled.set(),
+                               poll_s=0.05) as watchdog:
+                assert cancelled.wait(5)
+            assert "rank(s) [1] did not connect" in watchdog.reason and "ps.timeout_s" in watchdog.reason
+            assert server.aborted
+
+
+def test_a_healthy_stage_is_left_alone():
+    secret = new_secret()
+    with _server(secret, world=1) as server:
+        with PSClient(*server.address, rank=0, secret=secret, timeout_s=5) as client:
+            client.connect()
+            with StageWatchdog(server, 1, connect_timeout_s=0.3, grace_s=0.3, cancel=lambda r: None,
+                               poll_s=0.05) as watchdog:
+                time.sleep(0.8)
+            client.finish()
+    assert watchdog.reason is None
+
+
+def test_a_failed_attempt_that_lingers_is_cancelled_after_the_grace_period():
+    secret = new_secret()
+    reasons = []
+    with _server(secret) as server:
+        for rank in (0, 1):
+            PSClient(*server.address, rank=rank, secret=secret, timeout_s=5).connect()
+        server.fail("rank 1 failed (simulated)")
+        with StageWatchdog(server, 2, connect_timeout_s=5, grace_s=0.3, cancel=reasons.append, poll_s=0.05):
+            deadline = time.monotonic() + 5
+            while not reasons and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert reasons and "did not stop within" in reasons[0]
