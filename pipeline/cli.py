@@ -1,4 +1,4 @@
-"""The `shardline` command: etl | train | evaluate | run, each on a layered config plus overrides.
+"""The `shardline` command: generate | etl | train | evaluate | run, each on a layered config plus overrides.
 
     shardline run --config conf/digits.yaml parallelism.data=2 train.epochs=5 ps.mode=sync
 """
@@ -15,6 +15,7 @@ from pipeline.errors import ShardlineError
 log = logging.getLogger("pipeline.cli")
 
 COMMANDS = {
+    "generate": "write the synthetic data set (data.synthetic: rows, features, classes, seed) as raw Parquet",
     "etl": "read the source, clean, split, standardize and write balanced shards + manifest",
     "train": "train on the shard set with barrier workers and the driver parameter server",
     "evaluate": "evaluate the last trained model on the test split (in Spark) and log to its run",
@@ -50,6 +51,8 @@ def run_command(command: str, config: Optional[str], overrides: Sequence[str], b
 
     cfg = load(config, overrides, base=base)
     spark = get_or_create_spark(cfg.spark)
+    if command == "generate":
+        return steps.generate(spark, cfg)
     if command == "etl":
         return steps.etl(spark, cfg)
     if command == "train":
@@ -60,6 +63,9 @@ def run_command(command: str, config: Optional[str], overrides: Sequence[str], b
 
 
 def _report(command: str, outcome) -> None:
+    if command == "generate":
+        print(f"synthetic data: {outcome}")
+        return
     if command == "etl":
         print(f"shard set: {outcome.root}")
         print("rows: " + ", ".join(f"{k}={v.rows}" for k, v in outcome.splits.items()))

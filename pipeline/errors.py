@@ -52,10 +52,13 @@ class WorkerFailure:
 class WorkerTrainingFailedError(ShardlineError):
     """One or more barrier tasks failed. Carries {rank: WorkerFailure} with each rank's log tail."""
 
-    def __init__(self, failures: dict[int, WorkerFailure], attempt: int = 1, cause: str = ""):
+    def __init__(self, failures: dict[int, WorkerFailure], attempt: int = 1, cause: str = "",
+                 stopped: dict[int, str] | None = None):
         self.failures = dict(sorted(failures.items()))
         self.attempt = attempt
         self.cause = cause
+        # Ranks that did not fail themselves but stopped because of the failures above: {rank: why}.
+        self.stopped = dict(sorted((stopped or {}).items()))
         super().__init__(self._render())
 
     def _render(self) -> str:
@@ -66,6 +69,8 @@ class WorkerTrainingFailedError(ShardlineError):
             if failure.log_tail:
                 lines.append(f"    last log lines of rank {rank}:")
                 lines.extend("    | " + line for line in failure.log_tail.rstrip().splitlines())
+        for rank, why in self.stopped.items():
+            lines.append(f"--- rank {rank} stopped: {why}")
         if self.cause:
             lines.append(f"--- Spark reported: {self.cause}")
         return "\n".join(lines)

@@ -38,6 +38,17 @@ def etl(spark, cfg: PipelineConfig) -> Manifest:
     return run_etl(spark, cfg)
 
 
+def generate(spark, cfg: PipelineConfig) -> Path:
+    """Land the synthetic data set of `cfg.data.synthetic` as raw Parquet (regenerated every time)."""
+    from pipeline.errors import ConfigError
+    from pipeline.etl.synthetic import generate as land_synthetic
+
+    if cfg.data.source != "synthetic":
+        raise ConfigError(f"`generate` makes the synthetic source, but data.source={cfg.data.source}; "
+                          "set data.source=synthetic (e.g. --config conf/synthetic.yaml)")
+    return land_synthetic(spark, cfg.data, cfg.workdir, force=True)
+
+
 def load_shards(cfg: PipelineConfig) -> Manifest:
     from pipeline.etl import shards_dir
 
@@ -94,6 +105,8 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest):
     run.log_params(cfg.model_dump(mode="json"))
     run.set_tags({"shardline.fingerprint": manifest.fingerprint, "shardline.workers": str(cfg.parallelism.data)})
     run.log_file(os.path.join(manifest.root, MANIFEST_NAME), "data")
+    run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),
+                    manifest.num_features, "int64" if manifest.task == "classification" else "float32")
 
     def log_epoch(row: dict) -> None:  # called live from the PS thread as each epoch completes
         run.log_epoch(row["epoch"], {k: v for k, v in row.items() if k not in ("epoch", "step")})

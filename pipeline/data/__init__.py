@@ -1,4 +1,5 @@
 """Parquet shards -> torch batches for one rank (no Spark)."""
-from pipeline.data.loader import ShardLoader, read_tensors
+from pipeline.data.loader import read_tensors
+from pipeline.data.stream import StreamingLoader
 
-__all__ = ["ShardLoader", "read_tensors"]
+__all__ = ["StreamingLoader", "read_tensors"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.config.schema import PipelineConfig
 from pipeline.etl.clean import cast_and_filter, feature_columns, index_labels, label_mapping
 from pipeline.etl.sources import DIGITS_ID, read_source
+from pipeline.etl.synthetic import SYNTHETIC_ID
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
 from pipeline.etl.stats import train_statistics
 from pipeline.errors import DataError
@@ -20,6 +21,17 @@ log = logging.getLogger(__name__)
 
 def shards_dir(cfg: PipelineConfig) -> Path:
     return Path(cfg.data.shards_dir) if cfg.data.shards_dir else Path(cfg.workdir) / "shards" / cfg.name
+
+
+def row_bytes(num_features: int) -> int:
+    """Estimated stored bytes of one shard row: float32 vectors barely compress, so the raw size of the
+    features plus label and Parquet overhead."""
+    return 4 * num_features + 16
+
+
+def rows_per_file(target_file_mb: float, num_features: int) -> int:
+    """Rows that make a shard file of about target_file_mb."""
+    return max(1, int(target_file_mb * 2**20 / row_bytes(num_features)))
 
 
 def _split_offsets(df) -> tuple[dict[str, dict[int, int]], dict[str, int]]:
@@ -50,7 +62,7 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
     started = time.perf_counter()
     data = cfg.data
     raw = read_source(spark, data, cfg.workdir)
-    id_column = data.id_column or (DIGITS_ID if data.source == "digits" else None)
+    id_column = data.id_column or {"digits": DIGITS_ID, "synthetic": SYNTHETIC_ID}.get(data.source)
     if id_column and id_column not in raw.columns:
         raise DataError(f"id column {id_column!r} (data.id_column) is not in the input; columns: {raw.columns}")
     features = feature_columns(raw.columns, data, id_column)
@@ -89,7 +101,9 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
         manifest = write_shards(
             packed, shards_dir(cfg), num_shards=num_shards, name=cfg.name, task=data.task,
             feature_columns=features, label_column=data.label, label_mapping=labels,
-            standardized=data.standardize, means=means, stds=stds, etl_report=etl_report)
+            standardized=data.standardize, means=means, stds=stds, etl_report=etl_report,
+            rows_per_row_group=cfg.shards.rows_per_row_group,
+            rows_per_file=rows_per_file(cfg.shards.target_file_mb, len(features)), row_bytes=row_bytes(len(features)))
     finally:
         split.unpersist()
     log.info("etl done in %.1fs: %d input rows, %d invalid (%s), splits %s", time.perf_counter() - started,

@@ -1,7 +1,7 @@
 """Sources: every dataset enters as a Spark DataFrame read from files (CSV or Parquet).
 
-The built-in `digits` source is first landed as raw Parquet, then read back like any other source, so
-the demo exercises the same path as production data.
+The built-in `digits` and `synthetic` sources are first landed as raw Parquet, then read back like any
+other source, so the demo and the benchmarks exercise the same path as production data.
 """
 from __future__ import annotations
 
@@ -56,6 +56,10 @@ def read_source(spark, data: DataConfig, workdir: str):
     if data.source == "digits":
         path = land_digits(digits_raw_path(data, workdir))
         return spark.read.parquet(str(path))
+    if data.source == "synthetic":
+        from pipeline.etl.synthetic import generate
+
+        return spark.read.parquet(str(generate(spark, data, workdir)))
     path = data.path
     if "://" not in path and not Path(path).exists():
         raise DataError(f"data.path {path!r} does not exist (data.source={data.source}); "

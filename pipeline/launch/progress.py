@@ -50,8 +50,81 @@ class EpochProgress:
             "samples_per_s": samples / max(seconds, 1e-9),
             "epoch_seconds": seconds,
         }
+        # PS consistency metrics (every ps.mode reports them): the worst rank's waiting and staleness,
+        # and the spread of per-rank steps (async/ssp ranks may be at different steps).
+        if all("wait_s" in r for r in reports.values()):
+            row["wait_s"] = max(r["wait_s"] for r in reports.values())
+        if all("staleness_max" in r for r in reports.values()):
+            row["staleness_max"] = max(r["staleness_max"] for r in reports.values())
+            row["staleness_mean"] = sum(r.get("staleness_mean", 0.0) for r in reports.values()) / len(reports)
+        row["step_min"] = min(r["step"] for r in reports.values())
         for key in ("val_loss", "val_accuracy"):
             values = [r[key] for r in reports.values() if key in r]
             if values:
                 row[key] = values[0]
         return row
+
+
+class StepProgress:
+    """A live progress bar on a terminal (steps, steps/s, last loss, ETA), fed by polling the PS version.
+
+    Off a terminal (logs, spark-submit, CI) it stays silent: the per-epoch lines already say the same
+    thing without control characters.
+    """
+
+    def __init__(self, version: Callable[[], int], total_steps: int, stream=None, interval_s: float = 0.5,
+                 width: int = 30):
+        import sys
+
+        self._version = version
+        self._total = max(total_steps, 1)
+        self._stream = stream if stream is not None else sys.stderr
+        self._interval_s = interval_s
+        self._width = width
+        self._loss: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.enabled = bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def update_loss(self, row: dict) -> None:
+        self._loss = row.get("train_loss", self._loss)
+
+    def render(self, done: int, elapsed_s: float, counted: Optional[int] = None) -> str:
+        """One bar line; the rate is `counted` steps (default: all done) over `elapsed_s`."""
+        counted = done if counted is None else counted
+        rate = counted / elapsed_s if elapsed_s > 0 else 0.0
+        filled = int(self._width * min(done, self._total) / self._total)
+        eta = f"{(self._total - done) / rate:.0f}s" if rate > 0 else "?"
+        loss = f" | loss {self._loss:.4f}" if self._loss is not None else ""
+        return (f"[{'#' * filled}{'.' * (self._width - filled)}] {done}/{self._total} steps | "
+                f"{rate:.1f} steps/s{loss} | ETA {eta}")
+
+    def __enter__(self) -> "StepProgress":
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="shardline-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._stream.write("\n")
+            self._stream.flush()
+
+    def _run(self) -> None:
+        import time
+
+        # The clock starts at the first applied step, so executor start-up does not dilute the rate.
+        started: Optional[float] = None
+        start_version = self._version()
+        while not self._stop.wait(self._interval_s):
+            done = self._version()
+            if started is None and done > start_version:
+                started, start_version = time.monotonic(), done
+            elapsed = time.monotonic() - started if started is not None else 0.0
+            rate_done = done - start_version if started is not None else 0
+            self._stream.write("\r" + self.render(done, elapsed, rate_done) + "\x1b[K")
+            self._stream.flush()
+            if done >= self._total:
+                return

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import socket
 import traceback
 from typing import Callable, Iterator
 
 RESULT_SCHEMA = ("rank int, ok boolean, error string, log_tail string, "
-                 "steps long, samples long, seconds double, final_train_loss double")
+                 "steps long, samples long, seconds double, final_train_loss double, process string")
 
 
 class _TailHandler(logging.Handler):
@@ -49,7 +51,7 @@ def _arrow_schema():
 
     return pa.schema([("rank", pa.int32()), ("ok", pa.bool_()), ("error", pa.string()), ("log_tail", pa.string()),
                       ("steps", pa.int64()), ("samples", pa.int64()), ("seconds", pa.float64()),
-                      ("final_train_loss", pa.float64())])
+                      ("final_train_loss", pa.float64()), ("process", pa.string())])
 
 
 def run_rank(plan_dict: dict, ps_host: str, ps_port: int, secret: bytes, log_tail_lines: int) -> dict:
@@ -57,6 +59,9 @@ def run_rank(plan_dict: dict, ps_host: str, ps_port: int, secret: bytes, log_tai
     from pipeline.worker import WorkerPlan, run
 
     plan = WorkerPlan.from_dict(plan_dict)
+    # host:parent-pid/pid — Python workers fork from one daemon per executor, so the parent pid tells
+    # executors apart on one host.
+    process = f"{socket.gethostname()}:{os.getppid()}/{os.getpid()}"
     logger = logging.getLogger("pipeline")
     handler = _TailHandler(log_tail_lines)
     previous_level = logger.level
@@ -65,13 +70,14 @@ def run_rank(plan_dict: dict, ps_host: str, ps_port: int, secret: bytes, log_tai
     try:
         result = run(plan, ps_host, ps_port, secret)
         return {"rank": plan.rank, "ok": True, "error": None, "log_tail": None, "steps": result.steps,
-                "samples": result.samples, "seconds": result.seconds, "final_train_loss": result.final_train_loss}
+                "samples": result.samples, "seconds": result.seconds, "final_train_loss": result.final_train_loss,
+                "process": process}
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver as a row
         error = f"{type(exc).__name__}: {exc}"
         logger.error("rank %d failed: %s\n%s", plan.rank, error, traceback.format_exc())
         tail = "\n".join(handler.lines)
         return {"rank": plan.rank, "ok": False, "error": error, "log_tail": tail, "steps": None,
-                "samples": None, "seconds": None, "final_train_loss": None}
+                "samples": None, "seconds": None, "final_train_loss": None, "process": process}
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous_level)

@@ -5,6 +5,14 @@ pushed, and it fails a PULL itself after ``ps.timeout_s`` with a message naming 
 The client therefore waits a little longer than ``timeout_s`` for PULL answers, so that the
 server's (more informative) error arrives first; its own timeout only fires when the server itself
 is unreachable. A client is used by one thread (the worker's training loop).
+
+Shards (``ps.shards``): the address a worker is given is shard 0's; its WELCOME lists every shard's
+address and ``[start, end)`` slice, and the client keeps one authenticated connection per shard
+(``_Link``). A PULL or PUSH is fanned out without threads: the request goes to every shard first,
+then the replies are read in shard order, so the shards work on it concurrently. PARAMS are received
+straight into each shard's slice of one preallocated buffer, and each shard's slice of a gradient is
+encoded (compressed) and sent from its own memory. A shard's ERROR reply is only raised after every
+other shard's reply to the same request was read, so all connections stay in step.
 """
 from __future__ import annotations
 
@@ -12,11 +20,12 @@ import logging
 import socket
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from pipeline.errors import AuthenticationError, PSError, PSTimeoutError, ProtocolError
+from pipeline.ps.compression import Compressor
 from pipeline.ps.protocol import (
     U32_MAX,
     Channel,
@@ -25,7 +34,6 @@ from pipeline.ps.protocol import (
     PeerClosedError,
     auth_mac,
     deadline_after,
-    decode_tensor,
     set_socket_options,
 )
 
@@ -38,12 +46,47 @@ _FAIL_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
+class ShardInfo:
+    """One shard's address and the slice ``[start, end)`` of the flat parameters it owns."""
+
+    host: str
+    port: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class ServerInfo:
-    """What the server announced in WELCOME."""
+    """What the server announced in WELCOME. The consistency and compression settings come from the
+    server so that driver and workers cannot disagree about them."""
 
     num_params: int
     version: int
     world_size: int
+    mode: str = "sync"
+    staleness: int = 0
+    sync_every: int = 1
+    clock: int = 0  # ssp/async: the next step this rank pushes
+    compression: str = "none"
+    topk_ratio: float = 0.01
+    shards: tuple[ShardInfo, ...] = ()  # empty: one shard at the address connected to, [0, num_params)
+
+
+@dataclass(eq=False)
+class _Link:
+    """The connection to one shard."""
+
+    index: int
+    host: str
+    port: int
+    start: int
+    end: int
+    channel: Channel
+    compressor: Compressor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
 
 
 def _pull_wait_s(timeout_s: float) -> float:
@@ -68,11 +111,13 @@ class PSClient:
         self.generation = generation
         self.timeout_s = float(timeout_s)
         self._secret = bytes(secret)
-        self._channel: Channel | None = None
+        self._links: list[_Link] = []
         self._info: ServerInfo | None = None
         self._params_buf: bytearray | None = None
         self._params: torch.Tensor | None = None
         self._ever_connected = False
+        # Kept across reconnects, per shard slice: the top-k residual is gradient not yet sent.
+        self._compressors: dict[tuple[int, int], Compressor] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> PSClient:
@@ -90,27 +135,64 @@ class PSClient:
         """The WELCOME of the current connection, or None when not connected."""
         return self._info
 
+    @property
+    def num_shards(self) -> int:
+        return len(self._links)
+
     def connect(self) -> ServerInfo:
-        """Connect and authenticate (CHALLENGE -> AUTH -> WELCOME). Idempotent while connected."""
+        """Connect and authenticate (CHALLENGE -> AUTH -> WELCOME) with shard 0, then with every other
+        shard its WELCOME lists. Idempotent while connected."""
         return self._connect(self.timeout_s)
 
     def _connect(self, timeout_s: float) -> ServerInfo:
-        if self._channel is not None and self._info is not None:
+        if self._links and self._info is not None:
             return self._info
         self._ever_connected = True
-        what = f"the handshake with the parameter server at {self.host}:{self.port}"
+        channel, info = self._handshake(self.host, self.port, timeout_s)
+        shards = info.shards or (ShardInfo(self.host, self.port, 0, info.num_params),)
+        links = [_Link(0, self.host, self.port, shards[0].start, shards[0].end, channel)]
+        try:
+            for index, shard in enumerate(shards[1:], start=1):
+                other, other_info = self._handshake(shard.host, shard.port, timeout_s)
+                links.append(_Link(index, shard.host, shard.port, shard.start, shard.end, other))
+                if (other_info.num_params, other_info.shards, other_info.mode) != (
+                        info.num_params, info.shards, info.mode):
+                    raise ProtocolError(f"shard {index} at {shard.host}:{shard.port} announced a different "
+                                        f"model or layout than shard 0")
+        except BaseException:
+            for link in links:
+                link.channel.close()
+            raise
+        for link in links:
+            link.channel.max_elements = link.size
+            key = (link.start, link.end)
+            compressor = self._compressors.get(key)
+            if compressor is None or compressor.compression != info.compression:
+                compressor = self._compressors[key] = Compressor(info.compression, link.size, info.topk_ratio)
+            link.compressor = compressor
+        self._links = links
+        self._info = info
+        if self._params_buf is None or len(self._params_buf) != info.num_params * 4:
+            self._params_buf = bytearray(info.num_params * 4)
+            self._params = torch.frombuffer(self._params_buf, dtype=torch.float32, count=info.num_params)
+        logger.info("rank %s connected to the parameter server at %s:%s (version %s, %s shard(s))",
+                    self.rank, self.host, self.port, info.version, len(links))
+        return info
+
+    def _handshake(self, host: str, port: int, timeout_s: float) -> tuple[Channel, ServerInfo]:
+        what = f"the handshake with the parameter server at {host}:{port}"
         deadline = deadline_after(timeout_s)
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+            sock = socket.create_connection((host, port), timeout=timeout_s)
         except TimeoutError:
             raise PSTimeoutError(
                 f"timed out after {timeout_s:g}s connecting to the parameter server at "
-                f"{self.host}:{self.port} (rank {self.rank}); raise {TIMEOUT_KEY} or check that "
+                f"{host}:{port} (rank {self.rank}); raise {TIMEOUT_KEY} or check that "
                 "executors can reach the driver"
             ) from None
         except OSError as exc:
             raise PSError(f"rank {self.rank} cannot reach the parameter server at "
-                          f"{self.host}:{self.port}: {exc}") from exc
+                          f"{host}:{port}: {exc}") from exc
         set_socket_options(sock)
         channel = Channel(sock, max_elements=0)
         try:
@@ -139,61 +221,63 @@ class PSClient:
         except PeerClosedError:
             channel.close()
             raise AuthenticationError(
-                f"the parameter server at {self.host}:{self.port} closed the connection during the "
+                f"the parameter server at {host}:{port} closed the connection during the "
                 f"handshake of rank {self.rank} (wrong secret, generation or rank?)"
             ) from None
         except (PSError, OSError) as exc:
             channel.close()
             raise AuthenticationError(f"handshake of rank {self.rank} failed: {exc}") from exc
-        channel.max_elements = info.num_params
-        self._channel = channel
-        self._info = info
-        if self._params_buf is None or len(self._params_buf) != info.num_params * 4:
-            self._params_buf = bytearray(info.num_params * 4)
-            self._params = None
-        logger.info("rank %s connected to the parameter server at %s:%s (version %s)",
-                    self.rank, self.host, self.port, info.version)
-        return info
+        return channel, info
 
     def close(self) -> None:
-        """Close the socket. Idempotent; never raises."""
-        channel, self._channel, self._info = self._channel, None, None
-        if channel is not None:
-            channel.close()
+        """Close every shard connection. Idempotent; never raises."""
+        links, self._links, self._info = self._links, [], None
+        for link in links:
+            link.channel.close()
 
     # -- requests --------------------------------------------------------------------------------
     def pull(self, min_version: int = 0) -> tuple[int, torch.Tensor]:
-        """Wait until the server's version is >= ``min_version`` and return (version, params).
+        """Wait until every shard's version is >= ``min_version`` and return (version, params); with
+        several shards the version is the lowest any shard returned.
 
         The returned tensor is a view of this client's reusable receive buffer: it is overwritten
         by the next ``pull``, so copy it (e.g. into the model) before pulling again.
         """
-        channel = self._require()
+        links = self._require()
         what = f"parameters of version >= {min_version}"
-        self._send(lambda: channel.send_empty(MsgType.PULL, generation=self.generation, rank=self.rank,
-                                              step=min_version, timeout=self.timeout_s), what)
+        self._send_all(links, lambda link: link.channel.send_empty(
+            MsgType.PULL, generation=self.generation, rank=self.rank, step=min_version,
+            timeout=self.timeout_s), what)
         wait_s = _pull_wait_s(self.timeout_s)
-        header = self._expect(MsgType.PARAMS, what, wait_s)
-        assert self._info is not None and self._params_buf is not None
-        if header.count != self._info.num_params:
-            self._drop()
-            raise ProtocolError(f"PARAMS of {header.count} elements, expected {self._info.num_params}")
-        try:
-            channel.recv_into(header, self._params_buf, deadline_after(wait_s))
-        except Exception as exc:
-            self._drop()
-            raise self._translate(exc, what, wait_s) from None
-        if self._params is None:
-            self._params = decode_tensor(self._params_buf, header)
-        return header.step, self._params
+        assert self._params_buf is not None and self._params is not None
+        view = memoryview(self._params_buf)
 
-    def push(self, step: int, grad: torch.Tensor) -> None:
-        """Send this rank's gradient for ``step`` and wait for the server's ACK.
+        def receive(link: _Link, header: Header) -> int:
+            if header.count != link.size:
+                raise ProtocolError(f"PARAMS of {header.count} elements from shard {link.index}, "
+                                    f"expected {link.size}")
+            link.channel.recv_into(header, view[link.start * 4:link.end * 4], deadline_after(wait_s))
+            return header.step
+
+        versions = self._gather(links, MsgType.PARAMS, what, wait_s, receive)
+        return min(versions), self._params
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """The push encoder chosen by the server's ``ps.compression`` (shard 0's slice with several
+        shards; None before connecting)."""
+        return self._links[0].compressor if self._links else None
+
+    def push(self, step: int, grad: torch.Tensor) -> int:
+        """Send this rank's gradient (``average`` mode: parameter delta) for ``step``, each shard its
+        slice, encoded as the server's ``ps.compression`` says, and wait for every ACK. Returns the ACK's
+        step: in ``async`` mode the (lowest over shards) version the gradient was applied to,
+        otherwise ``step``.
 
         ``grad`` must hold ``num_params`` values; non-fp32/non-contiguous/GPU tensors are converted
-        (one copy), fp32 contiguous CPU tensors are sent from their own memory.
+        (one copy), fp32 contiguous CPU tensors are sent from their own memory when uncompressed.
         """
-        channel = self._require()
+        links = self._require()
         assert self._info is not None
         flat = grad.detach().reshape(-1)
         if flat.numel() != self._info.num_params:
@@ -202,105 +286,139 @@ class PSClient:
         if flat.dtype != torch.float32 or flat.device.type != "cpu" or not flat.is_contiguous():
             flat = flat.to(device="cpu", dtype=torch.float32).contiguous()
         what = f"the ACK of the gradient for step {step}"
-        self._send(lambda: channel.send_tensor(MsgType.PUSH, flat, generation=self.generation,
-                                               rank=self.rank, step=step, timeout=self.timeout_s), what)
-        self._expect(MsgType.ACK, what, self.timeout_s)
+
+        def send(link: _Link) -> None:
+            assert link.compressor is not None
+            encoded = link.compressor.encode(flat[link.start:link.end])
+            link.channel.send_payload(MsgType.PUSH, encoded.payload, encoded.dtype, encoded.count,
+                                      generation=self.generation, rank=self.rank, step=step,
+                                      timeout=self.timeout_s)
+
+        self._send_all(links, send, what)
+        return min(self._gather(links, MsgType.ACK, what, _pull_wait_s(self.timeout_s),
+                                lambda link, header: header.step))
 
     def report(self, metrics: dict[str, Any]) -> None:
-        """Send a metrics dict (JSON, <= 1 MiB) to the driver's ``on_metrics`` and wait for ACK."""
-        channel = self._require()
+        """Send a metrics dict (JSON, <= 1 MiB) to the driver's ``on_metrics`` (via shard 0) and wait
+        for its ACK."""
+        links = self._require()[:1]
         what = "the ACK of a metrics report"
-        self._send(lambda: channel.send_json(MsgType.METRICS, dict(metrics), generation=self.generation,
-                                             rank=self.rank, timeout=self.timeout_s), what)
-        self._expect(MsgType.ACK, what, self.timeout_s)
+        self._send_all(links, lambda link: link.channel.send_json(
+            MsgType.METRICS, dict(metrics), generation=self.generation, rank=self.rank,
+            timeout=self.timeout_s), what)
+        self._gather(links, MsgType.ACK, what, self.timeout_s, lambda link, header: header.step)
 
     def fail(self, error: str, log_tail: str = "") -> None:
-        """Tell the server this rank failed, so its peers stop waiting at once. Best effort: never
+        """Tell every shard this rank failed, so its peers stop waiting at once. Best effort: never
         raises, connects first if this client never connected, waits a few seconds at most."""
         wait_s = min(self.timeout_s, _FAIL_TIMEOUT_S)
         try:
-            if self._channel is None and not self._ever_connected:
+            if not self._links and not self._ever_connected:
                 self._connect(wait_s)
-            channel = self._require()
+            links = self._require()
             body = {"error": str(error)[:_MAX_FAIL_ERROR_CHARS],
                     "log_tail": str(log_tail)[-_MAX_FAIL_LOG_CHARS:]}
-            channel.send_json(MsgType.FAIL, body, generation=self.generation, rank=self.rank,
-                              timeout=wait_s)
-            self._expect(MsgType.ACK, "the ACK of a FAIL report", wait_s)
+            what = "the ACK of a FAIL report"
+            self._send_all(links, lambda link: link.channel.send_json(
+                MsgType.FAIL, body, generation=self.generation, rank=self.rank, timeout=wait_s), what)
+            self._gather(links, MsgType.ACK, what, wait_s, lambda link, header: header.step)
         except Exception as exc:  # best effort by contract
             logger.warning("rank %s could not report its failure to the parameter server: %s",
                            self.rank, exc)
 
     def finish(self) -> None:
-        """Tell the server this rank is done (so its disconnect is not a failure), then close."""
-        channel = self._require()
+        """Tell every shard this rank is done (so its disconnect is not a failure), then close."""
+        links = self._require()
         what = "the ACK of FINISH"
         try:
-            self._send(lambda: channel.send_empty(MsgType.FINISH, generation=self.generation,
-                                                  rank=self.rank, timeout=self.timeout_s), what)
-            self._expect(MsgType.ACK, what, self.timeout_s)
+            self._send_all(links, lambda link: link.channel.send_empty(
+                MsgType.FINISH, generation=self.generation, rank=self.rank, timeout=self.timeout_s), what)
+            self._gather(links, MsgType.ACK, what, self.timeout_s, lambda link, header: header.step)
         finally:
             self.close()
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _require(self) -> Channel:
-        if self._channel is None:
+    def _require(self) -> list[_Link]:
+        if not self._links:
             raise PSError(f"rank {self.rank} is not connected to the parameter server (call connect())")
-        return self._channel
+        return self._links
 
     def _drop(self) -> None:
-        """After a timeout or a broken frame the stream is out of sync: close it."""
+        """After a timeout or a broken frame a stream is out of sync: close every connection (the
+        shards see this rank's drop)."""
         self.close()
 
-    def _send(self, action: Any, what: str) -> None:
-        try:
-            action()
-        except PSError:
-            raise  # raised while encoding, before any byte went out: the stream is still in sync
-        except Exception as exc:
-            self._drop()
-            raise self._translate(exc, f"sending the request for {what}", self.timeout_s) from None
+    def _send_all(self, links: list[_Link], action: Callable[[_Link], None], what: str) -> None:
+        """Send one request to each link. PSError raised while encoding, before any byte of the frame
+        went out, leaves the streams in sync only if it happens at the first link; later ones drop."""
+        for i, link in enumerate(links):
+            try:
+                action(link)
+            except PSError:
+                if i:
+                    self._drop()
+                raise
+            except Exception as exc:
+                self._drop()
+                raise self._translate(exc, link, f"sending the request for {what}", self.timeout_s) from None
 
-    def _expect(self, msg_type: MsgType, what: str, wait_s: float) -> Header:
-        """Read the reply header; an ERROR frame raises PSError/PSTimeoutError with the server text."""
-        channel = self._require()
-        deadline = deadline_after(wait_s)
-        try:
-            header = channel.recv_header(deadline)
-            if header.type is MsgType.ERROR:
-                body = channel.recv_json(header, deadline)
-            elif header.type is not msg_type:
-                raise ProtocolError(f"expected {msg_type.name} while waiting for {what}, "
-                                    f"got {header.type.name}")
-            else:
-                return header
-        except Exception as exc:
-            self._drop()
-            raise self._translate(exc, what, wait_s) from None
+    def _gather(self, links: list[_Link], msg_type: MsgType, what: str, wait_s: float,
+                receive: Callable[[_Link, Header], int]) -> list[int]:
+        """Read each link's reply (``receive`` reads a payload and returns a step). A server ERROR is
+        raised after the other links' replies were read; a broken stream drops every link at once."""
+        results: list[int] = []
+        refused: PSError | None = None
+        for link in links:
+            deadline = deadline_after(wait_s)
+            try:
+                header = link.channel.recv_header(deadline)
+                if header.type is MsgType.ERROR:
+                    body = link.channel.recv_json(header, deadline)
+                elif header.type is not msg_type:
+                    raise ProtocolError(f"expected {msg_type.name} while waiting for {what}, "
+                                        f"got {header.type.name}")
+                else:
+                    results.append(receive(link, header))
+                    continue
+            except Exception as exc:
+                self._drop()
+                # The server's own explanation, if a shard already gave one, beats a broken stream.
+                raise (refused or self._translate(exc, link, what, wait_s)) from None
+            error = self._refusal(body)
+            refused = refused or error
+            if isinstance(error, ProtocolError):
+                self._drop()
+                raise error
+        if refused is not None:
+            raise refused
+        return results
+
+    @staticmethod
+    def _refusal(body: dict[str, Any]) -> PSError:
         text = str(body.get("error", "unspecified error"))
         if body.get("kind") == "timeout":
-            raise PSTimeoutError(text)
+            return PSTimeoutError(text)
         if body.get("kind") == "protocol":
-            self._drop()
-            raise ProtocolError(text)
-        raise PSError(text)
+            return ProtocolError(text)
+        return PSError(text)
 
-    def _translate(self, exc: Exception, what: str, wait_s: float) -> PSError:
+    def _translate(self, exc: Exception, link: _Link, what: str, wait_s: float) -> PSError:
         if isinstance(exc, TimeoutError):
-            return PSTimeoutError(self._timeout_text(what, wait_s))
+            return PSTimeoutError(self._timeout_text(what, wait_s, link))
         if isinstance(exc, PeerClosedError):
-            return PSError(f"the parameter server at {self.host}:{self.port} closed the connection of "
+            return PSError(f"the parameter server at {link.host}:{link.port} closed the connection of "
                            f"rank {self.rank} while it waited for {what}")
         if isinstance(exc, PSError):
             return exc
         if isinstance(exc, OSError):
             return PSError(f"rank {self.rank} lost its connection to the parameter server at "
-                           f"{self.host}:{self.port} while waiting for {what}: {exc}")
+                           f"{link.host}:{link.port} while waiting for {what}: {exc}")
         return PSError(f"rank {self.rank}: unexpected error while waiting for {what}: {exc!r}")
 
-    def _timeout_text(self, what: str, wait_s: float) -> str:
+    def _timeout_text(self, what: str, wait_s: float, link: _Link | None = None) -> str:
+        host, port = (link.host, link.port) if link is not None else (self.host, self.port)
         return (f"rank {self.rank} timed out after {wait_s:g}s waiting for {what} from the parameter "
-                f"server at {self.host}:{self.port}; raise {TIMEOUT_KEY} if the server is only slow")
+                f"server at {host}:{port}; raise {TIMEOUT_KEY} if the server is only slow")
 
     @staticmethod
     def _error_text(channel: Channel, header: Header, deadline: float | None) -> str:
@@ -310,9 +428,21 @@ class PSClient:
     @staticmethod
     def _parse_welcome(body: dict[str, Any]) -> ServerInfo:
         try:
-            info = ServerInfo(int(body["num_params"]), int(body["version"]), int(body["world_size"]))
+            shards = tuple(ShardInfo(str(s["host"]), int(s["port"]), int(s["start"]), int(s["end"]))
+                           for s in body.get("shards", ()))
+            info = ServerInfo(int(body["num_params"]), int(body["version"]), int(body["world_size"]),
+                              mode=str(body.get("mode", "sync")), staleness=int(body.get("staleness", 0)),
+                              sync_every=int(body.get("sync_every", 1)), clock=int(body.get("clock", 0)),
+                              compression=str(body.get("compression", "none")),
+                              topk_ratio=float(body.get("topk_ratio", 0.01)), shards=shards)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed WELCOME: {exc}") from None
         if info.num_params <= 0 or info.version < 0 or info.world_size <= 0:
             raise ProtocolError(f"implausible WELCOME: {info}")
+        if shards:
+            # The slices must tile [0, num_params) in order, or PARAMS would land in the wrong place.
+            edges = [0] + [s.end for s in shards]
+            if any(s.start != edges[i] or s.end <= s.start for i, s in enumerate(shards)) \
+                    or edges[-1] != info.num_params:
+                raise ProtocolError(f"WELCOME announces shard ranges that do not tile [0, {info.num_params})")
         return info

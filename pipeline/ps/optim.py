@@ -47,12 +47,14 @@ class OptimizerSpec:
             raise ConfigError(f"optimizer betas must be two numbers in [0, 1), got {self.betas!r}")
 
 
-def build_optimizer(spec: OptimizerSpec, flat: torch.Tensor) -> torch.optim.Optimizer:
-    """Create the torch optimizer over ``[flat]``; the caller sets ``flat.grad`` before each step."""
+def build_optimizer(spec: OptimizerSpec, flat: torch.Tensor | list[torch.Tensor]) -> torch.optim.Optimizer:
+    """Create the torch optimizer over ``[flat]`` (the server; the caller sets ``flat.grad`` before each
+    step) or over a list of tensors (an ``average``-mode worker's local optimizer over its model)."""
+    params = [flat] if isinstance(flat, torch.Tensor) else list(flat)
     if spec.name == "sgd":
         return torch.optim.SGD(
-            [flat], lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+            params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
         )
     return torch.optim.Adam(
-        [flat], lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay
+        params, lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay
     )

@@ -62,15 +62,20 @@ class MsgType(IntEnum):
 
 
 class DType(IntEnum):
-    """Element type of a tensor payload. Codes for fp16/bf16 are reserved for compressed pushes."""
+    """Element type of a tensor payload. fp16/bf16/sparse are only accepted for compressed pushes.
+
+    ``SPARSE_F32`` is a top-k payload: ``count`` int32 indices followed by ``count`` fp32 values
+    (8 bytes per element), so the same header fields bound it as a dense payload.
+    """
 
     NONE = 0
     FLOAT32 = 1
     FLOAT16 = 2
     BFLOAT16 = 3
+    SPARSE_F32 = 4
 
 
-ITEMSIZE: dict[DType, int] = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
+ITEMSIZE: dict[DType, int] = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.SPARSE_F32: 8}
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.FLOAT32: torch.float32,
     DType.FLOAT16: torch.float16,
@@ -289,6 +294,12 @@ class Channel:
         header = Header(msg_type, generation, rank, step, DTYPE_OF_TORCH[tensor.dtype],
                         tensor.numel(), view.nbytes)
         self.send(header, view, timeout=timeout)
+
+    def send_payload(self, msg_type: MsgType, payload: memoryview, dtype: DType, count: int, *,
+                     generation: int, rank: int, step: int, timeout: float | None) -> None:
+        """Send an already encoded tensor payload (compressed pushes: fp16/bf16/sparse)."""
+        header = Header(msg_type, generation, rank, step, dtype, count, payload.nbytes)
+        self.send(header, payload, timeout=timeout)
 
     # -- receiving ---------------------------------------------------------------------------
     def _recv_exact(self, view: memoryview, deadline: float | None, *, frame_start: bool) -> None:

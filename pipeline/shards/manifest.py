@@ -24,6 +24,8 @@ class ShardFile:
     path: str  # relative to the shard-set root
     rows: int
     bytes: int
+    # Rows of each Parquet row group, in file order: a rank's read plan needs no footer or data read.
+    row_groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,11 @@ class Manifest:
         chosen = self.split(split).shards if shard is None else [self.split(split).shards[shard]]
         return [os.path.join(self.root, f.path) for s in chosen for f in s.files]
 
+    def row_group_rows(self, split: str, shard: Optional[int] = None) -> list[list[int]]:
+        """Per file of `files(split, shard)`, the rows of each row group (empty lists for old manifests)."""
+        chosen = self.split(split).shards if shard is None else [self.split(split).shards[shard]]
+        return [list(f.row_groups) for s in chosen for f in s.files]
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("root")
@@ -92,7 +99,7 @@ class Manifest:
 
 def _split_from_dict(data: dict[str, Any]) -> SplitShards:
     shards = tuple(
-        Shard(index=s["index"], rows=s["rows"], files=tuple(ShardFile(**f) for f in s["files"]))
+        Shard(index=s["index"], rows=s["rows"], files=tuple(ShardFile(**{**f, "row_groups": tuple(f.get("row_groups", ()))}) for f in s["files"]))
         for s in data["shards"])
     return SplitShards(rows=data["rows"], shards=shards)
 

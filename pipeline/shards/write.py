@@ -45,8 +45,10 @@ def _collect_shards(root: Path, split: str, num_shards: int) -> SplitShards:
         folder = root / f"split={split}" / f"shard={index}"
         files = []
         for file in sorted(folder.glob("*.parquet")) if folder.exists() else []:
-            rows = pq.ParquetFile(file).metadata.num_rows
-            files.append(ShardFile(path=str(file.relative_to(root)), rows=rows, bytes=file.stat().st_size))
+            metadata = pq.ParquetFile(file).metadata  # the footer only
+            groups = tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
+            files.append(ShardFile(path=str(file.relative_to(root)), rows=metadata.num_rows,
+                                   bytes=file.stat().st_size, row_groups=groups))
         shards.append(Shard(index=index, rows=sum(f.rows for f in files), files=tuple(files)))
     return SplitShards(rows=sum(s.rows for s in shards), shards=tuple(shards))
 
@@ -65,15 +67,31 @@ def write_shards(
     means: Sequence[float],
     stds: Sequence[float],
     etl_report: Mapping[str, Any],
+    rows_per_row_group: Optional[int] = None,
+    rows_per_file: Optional[int] = None,
+    row_bytes: Optional[int] = None,
 ) -> Manifest:
-    """Write `packed_df` (columns features, label, split, shard) and commit it as the shard set `target`."""
+    """Write `packed_df` (columns features, label, split, shard) and commit it as the shard set `target`.
+
+    rows_per_row_group caps Parquet row groups (the loader's read unit); rows_per_file splits a large
+    shard into several files; row_bytes is the estimated bytes of one row.
+    """
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(target)
     try:
         # One shuffle so each (split, shard) is written by one task into one file.
-        (packed_df.repartition("split", "shard")
-            .write.mode("errorifexists").partitionBy("split", "shard").parquet(str(staging)))
+        writer = packed_df.repartition("split", "shard").write.mode("errorifexists")
+        if rows_per_row_group:
+            # parquet-java >= 1.17 (Spark 4.3) caps rows per row group exactly; older ones (Spark 4.0's
+            # 1.15) ignore that key, so a byte target sized for the same rows bounds the groups there too
+            # (checked every 100+ rows, so groups are approximate on those).
+            writer = writer.option("parquet.block.row.count.limit", str(rows_per_row_group))
+            if row_bytes:
+                writer = writer.option("parquet.block.size", str(max(1024, int(rows_per_row_group * row_bytes * 1.25))))
+        if rows_per_file:
+            writer = writer.option("maxRecordsPerFile", str(rows_per_file))
+        writer.partitionBy("split", "shard").parquet(str(staging))
         splits = {split: _collect_shards(staging, split, num_shards[split]) for split in SPLITS}
         for split, info in splits.items():
             counts = [s.rows for s in info.shards]

@@ -6,6 +6,7 @@ import logging
 import numbers
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -53,6 +54,21 @@ def _numeric(metrics: Mapping[str, object]) -> dict[str, float]:
     if skipped:
         logger.warning("not logging non-numeric metrics: %s", ", ".join(map(str, skipped)))
     return values
+
+
+def per_class_report(confusion: np.ndarray, class_names: Sequence[str]) -> dict:
+    """Precision, recall, F1 and support per class from a confusion matrix (rows = true class)."""
+    matrix = np.asarray(confusion, dtype=np.float64)
+    correct = np.diag(matrix)
+    predicted, actual = matrix.sum(axis=0), matrix.sum(axis=1)
+    report = {}
+    for i, name in enumerate(class_names):
+        precision = correct[i] / predicted[i] if predicted[i] else 0.0
+        recall = correct[i] / actual[i] if actual[i] else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        report[str(name)] = {"precision": round(float(precision), 6), "recall": round(float(recall), 6),
+                             "f1": round(float(f1), 6), "support": int(actual[i])}
+    return report
 
 
 class TrackedRun:
@@ -128,6 +144,24 @@ class TrackedRun:
         self._client.log_dict(self.run_id, {"class_names": names, "matrix": matrix.tolist()},
                               "evaluation/confusion_matrix.json")
         self._client.log_figure(self.run_id, confusion_figure(matrix, names), "evaluation/confusion_matrix.png")
+        self._client.log_dict(self.run_id, per_class_report(matrix, names), "evaluation/per_class_report.json")
+
+    def log_dataset(self, name: str, source_uri: str, digest: str, num_features: int, label_dtype: str,
+                    context: str = "training") -> None:
+        """Record dataset lineage: the shard set's location and content fingerprint as a run input."""
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.types.schema import Schema, TensorSpec
+
+        schema = Schema([TensorSpec(np.dtype("float32"), (-1, num_features), "features"),
+                         TensorSpec(np.dtype(label_dtype), (-1,), "label")])
+        with warnings.catch_warnings():  # a local path matches two equivalent source types
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(source_uri)
+        dataset = MetaDataset(source=source, name=name, digest=digest[:36], schema=schema)
+        self._client.log_inputs(self.run_id, datasets=[
+            DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
 
     def log_history(self, history: Sequence[Mapping[str, float]]) -> None:
         """Plot loss/accuracy curves from per-epoch dicts to ``plots/training_curves.png``."""

@@ -46,14 +46,34 @@ def _maybe_inject_failure(plan: WorkerPlan, step: int) -> None:
         raise InjectedFault(f"injected failure on rank {plan.rank} at step {step} (faults.fail_rank)")
 
 
+def _maybe_slow_down(plan: WorkerPlan) -> None:
+    """Test hook (plan.extra["slow_rank"], ["slow_s"]): make one rank slow, e.g. to exercise ssp's bound."""
+    if plan.extra.get("slow_rank") == plan.rank:
+        time.sleep(float(plan.extra.get("slow_s", 0.0)))
+
+
+def make_train_loader(plan: WorkerPlan):
+    """This rank's streaming loader: row groups read on demand, bounded shuffle buffer, prefetch thread.
+
+    Loader settings (reader, shuffle, buffer, threads, the manifest's row-group counts) come from
+    plan.extra["loader"]; without them the loader's defaults apply.
+    """
+    from pipeline.data import StreamingLoader
+
+    return StreamingLoader(plan.train_files, steps_per_epoch=plan.steps_per_epoch, seed=plan.seed, rank=plan.rank,
+                           features_field=plan.features_field, label_field=plan.label_field,
+                           num_features=plan.num_features, prefetch=plan.prefetch, **plan.extra.get("loader", {}))
+
+
 def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes) -> WorkerResult:
-    """Train this rank's share of every synchronous step; raise on any failure (the caller reports it)."""
+    """Train this rank's share of the run in the server's ``ps.mode``; raise on any failure (the caller
+    reports it)."""
     import torch
 
-    from pipeline.data import ShardLoader, read_tensors
-    from pipeline.models import ModelSpec, build_model, load_flat_parameters, loss_fn
-    from pipeline.models.flat import flat_gradients
+    from pipeline.data import read_tensors
+    from pipeline.models import ModelSpec, build_model, loss_fn
     from pipeline.ps import PSClient
+    from pipeline.worker.exchange import make_exchange
 
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
     torch.manual_seed(plan.seed + plan.rank)  # dropout masks differ per rank, reproducibly
@@ -65,40 +85,35 @@ def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes) -> WorkerRe
         # Entering the client connects before anything that can fail; leaving it on an exception sends
         # FAIL, so the server frees the peers at once instead of letting them time out.
         info = client.connect()
-        features, labels = read_tensors(plan.train_files, plan.features_field, plan.label_field,
-                                        plan.num_features)
-        loader = ShardLoader(features, labels, steps_per_epoch=plan.steps_per_epoch, seed=plan.seed,
-                             rank=plan.rank, prefetch=plan.prefetch)
+        loader = make_train_loader(plan)
         validation = (read_tensors(plan.validation_files, plan.features_field, plan.label_field,
                                    plan.num_features) if plan.validation_files else None)
         model = build_model(ModelSpec.from_dict(plan.model))
         loss = loss_fn(plan.task)
-        version, params = client.pull(0)
-        load_flat_parameters(model, params)
-        step = version
-        grad = torch.empty(params.numel(), dtype=torch.float32)
-        log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, starting at step %d",
-                plan.rank, plan.world_size, len(features), plan.steps_per_epoch, plan.epochs, info.num_params,
-                step)
+        total_steps = plan.steps_per_epoch * plan.epochs
+        exchange = make_exchange(client, info, model, total_steps, plan.optimizer)
+        step = exchange.start()
+        log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, ps.mode=%s, "
+                "starting at step %d", plan.rank, plan.world_size, loader.num_rows, plan.steps_per_epoch,
+                plan.epochs, info.num_params, info.mode, step)
         for epoch in range(plan.epochs):
             epoch_started = time.perf_counter()
             loss_sum, epoch_samples = 0.0, 0
             for x, y in loader.epoch(epoch):
                 _maybe_inject_failure(plan, step)
+                _maybe_slow_down(plan)
                 for p in model.parameters():
                     p.grad = None
                 batch_loss = loss(model(x), y)
                 batch_loss.backward()
-                client.push(step, flat_gradients(model, out=grad))
-                step, params = client.pull(step + 1)
-                load_flat_parameters(model, params)
+                step = exchange.after_backward(step)
                 loss_sum += batch_loss.item() * len(x)
                 epoch_samples += len(x)
             seconds = time.perf_counter() - epoch_started
             last_loss = loss_sum / max(epoch_samples, 1)
             samples += epoch_samples
             metrics = {"epoch": epoch, "step": step, "train_loss": last_loss, "samples": epoch_samples,
-                       "seconds": seconds}
+                       "seconds": seconds, **exchange.stats.take()}
             if validation is not None:
                 metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
             client.report(metrics)

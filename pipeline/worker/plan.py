@@ -23,6 +23,8 @@ class WorkerPlan:
     prefetch: int
     ps_timeout_s: float
     extra: dict = field(default_factory=dict)
+    # OptimizerSpec fields: the local optimizer of ps.mode=average (other modes step on the server).
+    optimizer: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -18,6 +18,7 @@ def outcome(spark, tmp_path_factory, conf_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.lts  # the LTS lane's one end-to-end training
 def test_digits_reaches_the_accuracy_bar(outcome):
     cfg, result = outcome
     assert result.test_metrics["accuracy"] >= 0.95
@@ -46,7 +47,16 @@ def test_mlflow_run_holds_everything(outcome, spark):
     artifacts = {a.path for folder in ("data", "plots", "evaluation")
                  for a in client.list_artifacts(result.run_id, folder)}
     assert {"data/manifest.json", "plots/training_curves.png", "evaluation/confusion_matrix.png",
-            "evaluation/confusion_matrix.json"} <= artifacts
+            "evaluation/confusion_matrix.json", "evaluation/per_class_report.json"} <= artifacts
+    for png in ("plots/training_curves.png", "evaluation/confusion_matrix.png"):
+        assert open(client.download_artifacts(result.run_id, png), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(open(client.download_artifacts(result.run_id, "evaluation/per_class_report.json")).read())
+    assert set(report) == {str(i) for i in range(10)}
+    assert sum(c["support"] for c in report.values()) == steps.load_shards(cfg).split("test").rows
+    (dataset_input,) = run.inputs.dataset_inputs
+    manifest_data = json.loads(open(client.download_artifacts(result.run_id, "data/manifest.json")).read())
+    assert manifest_data["fingerprint"].removeprefix("sha256:").startswith(dataset_input.dataset.digest)
+    assert dataset_input.dataset.name == "digits-train"
     local = client.download_artifacts(result.run_id, "data/manifest.json")
     assert json.loads(open(local).read())["fingerprint"].startswith("sha256:")
 

@@ -11,6 +11,8 @@ from pipeline.etl import run_etl
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
 from pipeline.data import read_tensors
 
+pytestmark = pytest.mark.lts  # also run on the LTS stack
+
 
 def _config(tmp_path, **data):
     return build({"name": "t", "workdir": str(tmp_path / "work"), "parallelism": {"data": 2},

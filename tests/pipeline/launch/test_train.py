@@ -26,7 +26,6 @@ def _ps_threads():
 def test_a_raising_worker_gives_one_exception_naming_its_rank(spark, shards):
     cfg, manifest = shards
     failing = cfg.model_copy(update={"faults": cfg.faults.model_copy(update={"fail_rank": 1, "fail_step": 3})})
-    started = time.monotonic()
     with pytest.raises(WorkerTrainingFailedError) as info:
         train(spark, failing, manifest)
     error = info.value
@@ -34,7 +33,9 @@ def test_a_raising_worker_gives_one_exception_naming_its_rank(spark, shards):
     assert "InjectedFault" in error.failures[1].error and "step 3" in error.failures[1].error
     assert "rank 1" in error.failures[1].log_tail  # the worker's own log lines came back
     assert "rank(s) 1" in str(error)
-    assert time.monotonic() - started < cfg.ps.timeout_s  # the peer was released, not left to time out
+    # the peer was released by rank 1's failure, not left to run into the deadline
+    assert list(error.stopped) == [0]
+    assert "rank 1" in error.stopped[0] and "ps.timeout_s" not in error.stopped[0]
     deadline = time.monotonic() + 10
     while _ps_threads() and time.monotonic() < deadline:  # PS torn down in `finally`
         time.sleep(0.1)
@@ -55,7 +56,5 @@ def test_training_after_a_failure_succeeds_and_runs_planned_steps(spark, shards)
 def test_preflight_rejects_more_workers_than_slots(spark, shards):
     cfg, manifest = shards
     too_many = cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(update={"data": 3})})
-    started = time.monotonic()
     with pytest.raises(ConfigError, match=r"parallelism.data=3 workers need 3 concurrent task slots.*has 2"):
         train(spark, too_many, manifest)
-    assert time.monotonic() - started < 5

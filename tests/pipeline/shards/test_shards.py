@@ -9,6 +9,8 @@ from pipeline.etl import run_etl, shards_dir
 from pipeline.shards import load_manifest, steps_per_epoch
 import pipeline.shards.write as shard_write
 
+pytestmark = pytest.mark.lts  # also run on the LTS stack
+
 
 @pytest.fixture(scope="module")
 def digits_cfg(tmp_path_factory):
@@ -80,3 +82,41 @@ def test_manifest_errors_name_the_file(tmp_path, spark, digits_cfg):
             load_manifest(shards_dir(digits_cfg))
     finally:
         os.rename(victim + ".moved", victim)
+
+
+def _exact_row_groups() -> bool:
+    import glob
+    import re
+
+    import pyspark
+
+    jars = glob.glob(os.path.join(os.path.dirname(pyspark.__file__), "jars", "parquet-hadoop-*.jar"))
+    version = re.search(r"parquet-hadoop-(\d+)\.(\d+)", os.path.basename(jars[0])) if jars else None
+    return bool(version) and (int(version.group(1)), int(version.group(2))) >= (1, 17)
+
+
+def test_row_groups_and_files_follow_the_shards_options(spark, tmp_path):
+    import pyarrow.parquet as pq
+
+    from pipeline.data import StreamingLoader
+
+    cfg = build({"name": "sized", "workdir": str(tmp_path), "parallelism": {"data": 2}, "data": {"source": "digits"},
+                 "shards": {"rows_per_row_group": 50, "target_file_mb": 0.05}})  # ~190 rows per file
+    manifest = run_etl(spark, cfg)
+    for rank, shard in enumerate(manifest.split("train").shards):
+        assert len(shard.files) > 1  # a large shard is split into several files
+        for f in shard.files:
+            footer = pq.ParquetFile(os.path.join(manifest.root, f.path)).metadata
+            assert list(f.row_groups) == [footer.row_group(g).num_rows for g in range(footer.num_row_groups)]
+            assert sum(f.row_groups) == f.rows
+            # parquet-java >= 1.17 caps rows exactly; older ones (LTS Spark 4.0) check the byte target
+            # every 100 rows, so there the groups are only bounded approximately
+            assert max(f.row_groups) <= (50 if _exact_row_groups() else 150), f.row_groups
+        # the rank's read plan comes from the manifest alone, and the loader reads exactly those rows
+        loader = StreamingLoader(manifest.files("train", rank), steps_per_epoch=steps_per_epoch(manifest, 2, 32),
+                                 seed=0, rank=rank, row_group_rows=manifest.row_group_rows("train", rank),
+                                 num_features=manifest.num_features)
+        assert loader.num_rows == shard.rows
+        assert sum(len(y) for _, y in loader.epoch(0)) == shard.rows
+    reloaded = load_manifest(manifest.root)
+    assert reloaded.row_group_rows("train") == manifest.row_group_rows("train")

@@ -1,5 +1,7 @@
 """The worker loop against a real parameter server, ranks in threads (no Spark)."""
+import dataclasses
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -10,6 +12,7 @@ import torch
 from pipeline.errors import PSError
 from pipeline.models import ModelSpec, build_model, flat_parameters
 from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
+from pipeline.ps.modes import Consistency, expected_version
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault
 
@@ -84,5 +87,108 @@ def test_a_failing_rank_releases_its_peer_with_its_rank_named(tmp_path):
         assert isinstance(errors[0], InjectedFault)
         assert isinstance(errors[1], PSError) and "rank 0" in str(errors[1])
         assert list(server.root_failures) == [0]
-        assert sorted(server.failures) == [0, 1]  # rank 1 dropped out after, as a consequence
+        # rank 1 dropped out after, as a consequence; the server notices its close asynchronously
+        deadline = time.monotonic() + 10
+        while sorted(server.failures) != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(server.failures) == [0, 1]
         assert server.version == 2
+
+
+def _train_mode(tmp_path, consistency, *, compression="none", extra=None, epochs=3, shards=1):
+    spec, plans = _plans(tmp_path, epochs=epochs, extra=extra)
+    optimizer = OptimizerSpec(lr=0.1, momentum=0.9)
+    plans = [dataclasses.replace(p, optimizer=dataclasses.asdict(optimizer)) for p in plans]
+    torch.manual_seed(0)
+    initial = flat_parameters(build_model(spec))
+    reports = []
+    secret = new_secret()
+    with ParameterServer(initial, world_size=2, secret=secret, optimizer=optimizer, host="127.0.0.1",
+                         timeout_s=10, consistency=consistency, compression=compression, shards=shards,
+                         on_metrics=lambda r, m: reports.append((r, m))) as server:
+        results, errors = _run_ranks(plans, server, secret)
+        assert errors == {}
+        return spec, initial, server.parameters(), server.version, server.stats, reports
+
+
+def test_sync_gives_the_parameters_of_single_process_sgd_on_the_global_batches(tmp_path):
+    from pipeline.models import load_flat_parameters, loss_fn
+    from pipeline.worker.loop import make_train_loader
+
+    spec, initial, params, version, _, _ = _train_mode(tmp_path, Consistency("sync"))
+    assert version == 3 * 8
+    model = build_model(spec)
+    load_flat_parameters(model, initial)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss = loss_fn("classification")
+    # replay exactly the batches the workers drew, through the same loader the worker uses
+    loaders = [make_train_loader(plan) for plan in _plans(tmp_path)[1]]
+    for epoch in range(3):
+        for batches in zip(*(loader.epoch(epoch) for loader in loaders)):
+            opt.zero_grad()
+            # the PS averages per-rank mean gradients: the mean of the per-rank mean losses
+            (sum(loss(model(x), y) for x, y in batches) / 2).backward()
+            opt.step()
+    assert torch.allclose(params, flat_parameters(model), atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp", "average"])
+def test_every_mode_trains_through_the_same_loop(tmp_path, mode):
+    consistency = Consistency(mode, staleness=1, sync_every=3)
+    spec, initial, params, version, stats, reports = _train_mode(tmp_path, consistency)
+    assert version == expected_version(consistency, 3 * 8, 2)
+    assert not torch.equal(params, initial)
+    assert stats["mode"] == mode
+    assert sorted((m["epoch"], r) for r, m in reports) == [(e, r) for e in range(3) for r in (0, 1)]
+    assert all({"wait_s", "staleness_max", "staleness_mean"} <= set(m) for _, m in reports)
+    losses = [m["train_loss"] for r, m in sorted(reports, key=lambda x: x[1]["epoch"]) if r == 0]
+    assert losses[-1] < losses[0]
+
+
+def test_ssp_with_a_slow_rank_keeps_the_fast_one_within_the_bound(tmp_path):
+    consistency = Consistency("ssp", staleness=2)
+    *_, version, stats, reports = _train_mode(tmp_path, consistency, extra={"slow_rank": 1, "slow_s": 0.02},
+                                              epochs=2)
+    assert version == 2 * 8
+    assert max(m["staleness_max"] for _, m in reports) <= 2
+    assert stats["blocked_pulls"] > 0 and 0 in stats["pull_wait_s_by_rank"]  # the fast rank waited
+
+
+def test_ssp_with_zero_staleness_trains_exactly_like_sync(tmp_path):
+    sync = _train_mode(tmp_path, Consistency("sync"))[2]
+    ssp = _train_mode(tmp_path, Consistency("ssp", staleness=0))[2]
+    assert torch.equal(sync, ssp)
+
+
+# -- ps.shards -------------------------------------------------------------------------------------
+def test_sync_with_two_shards_gives_exactly_the_parameters_of_one_shard(tmp_path):
+    one = _train_mode(tmp_path, Consistency("sync"), shards=1)
+    two = _train_mode(tmp_path, Consistency("sync"), shards=2)
+    assert one[3] == two[3] == 3 * 8
+    assert two[4]["shards"] == 2
+    assert torch.equal(one[2], two[2])  # bit for bit: elementwise SGD per slice, same sums
+
+
+@pytest.mark.parametrize("mode,compression", [("async", "none"), ("ssp", "fp16"), ("average", "bf16"),
+                                              ("sync", "topk")])
+def test_every_mode_and_compression_trains_with_three_shards(tmp_path, mode, compression):
+    consistency = Consistency(mode, staleness=1, sync_every=3)
+    spec, initial, params, version, stats, reports = _train_mode(tmp_path, consistency, compression=compression,
+                                                                 shards=3)
+    assert version == expected_version(consistency, 3 * 8, 2)
+    assert [s["pushes_applied"] for s in stats["by_shard"]] == [stats["pushes_applied"]] * 3
+    assert stats["push_payload_bytes"] > 0 and not torch.equal(params, initial)
+    assert sorted((m["epoch"], r) for r, m in reports) == [(e, r) for e in range(3) for r in (0, 1)]
+
+
+def test_a_failing_rank_is_named_with_two_shards(tmp_path):
+    spec, plans = _plans(tmp_path, extra={"fail_rank": 1, "fail_step": 3})
+    secret = new_secret()
+    with ParameterServer(flat_parameters(build_model(spec)), world_size=2, secret=secret, shards=2,
+                         optimizer=OptimizerSpec(), host="127.0.0.1", timeout_s=10) as server:
+        results, errors = _run_ranks(plans, server, secret)
+        assert isinstance(errors[1], InjectedFault)
+        assert isinstance(errors[0], PSError) and "rank 1" in str(errors[0])
+        assert list(server.root_failures) == [1]
+        assert all(list(s.root_failures) == [1] for s in server._shards)  # one verdict on every shard
+        assert server.version == 3

@@ -1,0 +1,144 @@
+"""Loader throughput on the same shards: raw pyarrow (the ceiling) vs shardline's arrow loader vs petastorm.
+
+    .venv/bin/python bench/loader_bench.py [--rows 1000000] [--features 64] [--dir /tmp/shardline-bench]
+
+(a) raw pyarrow: row groups in shuffled order, iter_batches -> numpy (features matrix + labels);
+(b) shardline StreamingLoader -> torch batches (row-group shuffle + shuffle buffer);
+(c) petastorm make_batch_reader (shuffled row groups) -> shuffled torch batches, run in the LTS venv
+    (--lts-python, default .venv-lts/bin/python) because petastorm needs pyarrow <= 14 and numpy < 2.
+Prints samples/s of each, b/a and b/c. Shards are written once with pyarrow in the shard-file layout
+(list<float> features, int64 label, rows_per_row_group rows per row group), labels from the synthetic
+teacher network.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def make_shards(folder: Path, rows: int, features: int, ranks: int, row_group: int) -> list[list[str]]:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from udfs.synthetic import teacher
+
+    done = folder / f"_DONE-{rows}x{features}x{ranks}x{row_group}"
+    files = [[str(folder / f"rank{r}.parquet")] for r in range(ranks)]
+    if done.exists():
+        return files
+    folder.mkdir(parents=True, exist_ok=True)
+    w1, b1, w2 = teacher(features, 32, 10, 0)
+    per_rank = rows // ranks
+    rng = np.random.default_rng(0)
+    for r in range(ranks):
+        with pq.ParquetWriter(files[r][0], pa.schema([("features", pa.list_(pa.float32())), ("label", pa.int64())])) as w:
+            for start in range(0, per_rank, row_group):
+                n = min(row_group, per_rank - start)
+                x = rng.standard_normal((n, features), dtype=np.float32)
+                y = (np.tanh(x @ w1 + b1) @ w2).argmax(axis=1).astype(np.int64)
+                vectors = pa.ListArray.from_arrays(pa.array(np.arange(0, n * features + 1, features, dtype=np.int32)),
+                                                   pa.array(x.reshape(-1)))
+                w.write_table(pa.table({"features": vectors, "label": y}), row_group_size=row_group)
+    done.touch()
+    return files
+
+
+def bench_raw(files: list[str], features: int, seed: int = 0) -> float:
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    started, count = time.perf_counter(), 0
+    rng = np.random.default_rng(seed)
+    for path in files:
+        pf = pq.ParquetFile(path)
+        order = [int(g) for g in rng.permutation(pf.metadata.num_row_groups)]
+        for batch in pf.iter_batches(batch_size=1 << 20, row_groups=order, columns=["features", "label"]):
+            x = batch.column(0).flatten().to_numpy().reshape(-1, features)
+            y = batch.column(1).to_numpy()
+            count += len(y) + 0 * x.shape[0]
+    return count / (time.perf_counter() - started)
+
+
+def bench_loader(files: list[str], batch: int, buffer: int, threads: int, prefetch: int) -> float:
+    from pipeline.data import StreamingLoader
+    from pipeline.data.rowgroups import row_groups
+
+    rows = sum(g.rows for g in row_groups(files))
+    loader = StreamingLoader(files, steps_per_epoch=-(-rows // batch), seed=0, rank=0, shuffle_buffer_rows=buffer,
+                             reader_threads=threads, prefetch=prefetch)
+    started, count = time.perf_counter(), 0
+    for x, y in loader.epoch(0):
+        count += len(y)
+    return count / (time.perf_counter() - started)
+
+
+def bench_petastorm(files: list[str], batch: int, threads: int) -> float:
+    import numpy as np
+    import torch
+
+    from pipeline.data.petastorm_source import check_petastorm, petastorm_chunks
+
+    check_petastorm()
+    rng = np.random.default_rng(0)
+    started, count = time.perf_counter(), 0
+    for x, y in petastorm_chunks(files, "features", "label", None, seed=0, rank=0, epoch=0, shuffle=True,
+                                 workers=threads):
+        order = torch.from_numpy(rng.permutation(len(y)))
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        for index in order.split(batch):
+            count += len(xt.index_select(0, index)) + 0 * len(yt.index_select(0, index))
+    return count / (time.perf_counter() - started)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--row-group", type=int, default=65_536)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--buffer", type=int, default=65_536)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefetch", type=int, default=4)
+    parser.add_argument("--dir", default="/tmp/shardline-bench")
+    parser.add_argument("--lts-python", default=str(REPO / ".venv-lts" / "bin" / "python"))
+    parser.add_argument("--only", choices=["raw", "loader", "petastorm"], help="one measurement, as JSON")
+    args = parser.parse_args()
+    files = make_shards(Path(args.dir), args.rows, args.features, 1, args.row_group)[0]
+    if args.only:
+        value = {"raw": lambda: bench_raw(files, args.features),
+                 "loader": lambda: bench_loader(files, args.batch, args.buffer, args.threads, args.prefetch),
+                 "petastorm": lambda: bench_petastorm(files, args.batch, args.threads)}[args.only]()
+        print(json.dumps({args.only: value}))
+        return 0
+    bench_raw(files, args.features)  # warm the page cache
+    results = {"raw": max(bench_raw(files, args.features) for _ in range(2)),
+               "loader": max(bench_loader(files, args.batch, args.buffer, args.threads, args.prefetch)
+                             for _ in range(2))}
+    if os.path.exists(args.lts_python):
+        cmd = [args.lts_python, __file__, "--only", "petastorm", "--rows", str(args.rows), "--features",
+               str(args.features), "--row-group", str(args.row_group), "--batch", str(args.batch), "--dir", args.dir,
+               "--threads", str(args.threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode == 0:
+            results.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        else:
+            print(f"petastorm run failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+    for name, value in results.items():
+        print(f"{name:>10}: {value:,.0f} samples/s")
+    print(f"loader / raw pyarrow = {results['loader'] / results['raw']:.2f}  (target >= 0.8)")
+    if "petastorm" in results:
+        print(f"loader / petastorm   = {results['loader'] / results['petastorm']:.2f}  (target >= 3)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Parameter-server wire speed against its ceilings, and async throughput against ``ps.shards``.
+
+    .venv/bin/python bench/ps_bench.py [--sizes-mb 1 4 16] [--steps 30] [--window-s 3]
+
+Part 1, per parameter size (fp32), 2 workers, each in its own process:
+(a) shardline PS ``sync`` round: push the gradient, pull the next version (server in this process);
+(b) ``torch.distributed`` gloo allreduce of the same bytes between 2 processes (tcp://127.0.0.1);
+(c) raw loopback TCP round trip of the same bytes (send n, get n back) between 2 processes.
+Prints ms per step and the ratios a/b, a/c.
+
+Part 2: aggregate updates/s in ``async`` mode, a 64 KB model, 8/16/32 simulated workers (threads in
+2 worker processes) against 1/2/4 shards in this process; counted as versions applied (every shard
+applies each push once) over a fixed window after a warm-up.
+
+Targets (reported, not enforced): a/b <= 1.25 at 4 MB; updates/s at 2 shards >= 1.8x one shard with
+32 workers.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+HOST = "127.0.0.1"
+MB = 1 << 20
+
+
+def _free_port() -> int:
+    with socket.create_server((HOST, 0)) as s:
+        return s.getsockname()[1]
+
+
+# -- (a) PS sync round ------------------------------------------------------------------------------
+def _ps_worker(port: int, rank: int, secret: bytes, steps: int, warmup: int, out: mp.Queue) -> None:
+    import torch
+
+    from pipeline.ps import PSClient
+
+    torch.set_num_threads(1)
+    with PSClient(HOST, port, rank=rank, secret=secret, timeout_s=120) as client:
+        info = client.connect()
+        grad = torch.full((info.num_params,), 1e-6)
+        version, _ = client.pull(0)
+        times = []
+        for step in range(version, version + warmup + steps):
+            started = time.perf_counter()
+            client.push(step, grad)
+            client.pull(step + 1)
+            times.append(time.perf_counter() - started)
+        client.finish()
+    out.put(times[warmup:])
+
+
+def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1) -> float:
+    import torch
+
+    from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
+
+    secret = new_secret()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with ParameterServer(torch.zeros(nbytes // 4), world_size=2, secret=secret, host=HOST, timeout_s=120,
+                         optimizer=OptimizerSpec(name="sgd", lr=0.01), shards=shards) as server:
+        procs = [ctx.Process(target=_ps_worker, args=(server.address[1], r, secret, steps, warmup, out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        times = [out.get(timeout=300) for _ in procs]
+        for p in procs:
+            p.join(60)
+    return statistics.median(max(a, b) for a, b in zip(*times))
+
+
+# -- (b) gloo allreduce -----------------------------------------------------------------------------
+def _gloo_worker(rank: int, port: int, nbytes: int, steps: int, warmup: int, out: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=2)
+    t = torch.full((nbytes // 4,), 1e-6)
+    times = []
+    for _ in range(warmup + steps):
+        started = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    out.put(times[warmup:])
+
+
+def gloo_allreduce(nbytes: int, steps: int, warmup: int) -> float:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, port, nbytes, steps, warmup, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return statistics.median(max(a, b) for a, b in zip(*times))
+
+
+# -- (c) raw loopback TCP -----------------------------------------------------------------------------
+def _echo(port_q: mp.Queue, nbytes: int, rounds: int) -> None:
+    with socket.create_server((HOST, 0)) as listener:
+        port_q.put(listener.getsockname()[1])
+        sock, _ = listener.accept()
+    buf = memoryview(bytearray(nbytes))
+    with sock:
+        for _ in range(rounds):
+            got = 0
+            while got < nbytes:
+                got += sock.recv_into(buf[got:])
+            sock.sendall(buf)
+
+
+def tcp_round_trip(nbytes: int, steps: int, warmup: int) -> float:
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    proc = ctx.Process(target=_echo, args=(port_q, nbytes, steps + warmup))
+    proc.start()
+    sock = socket.create_connection((HOST, port_q.get(timeout=60)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = memoryview(bytearray(os.urandom(1024)) * (nbytes // 1024))
+    back = memoryview(bytearray(nbytes))
+    times = []
+    with sock:
+        for _ in range(steps + warmup):
+            started = time.perf_counter()
+            sock.sendall(data)
+            got = 0
+            while got < nbytes:
+                got += sock.recv_into(back[got:])
+            times.append(time.perf_counter() - started)
+    proc.join(60)
+    return statistics.median(times[warmup:])
+
+
+# -- part 2: async updates/s ----------------------------------------------------------------------------
+def _async_workers(port: int, ranks: list[int], secret: bytes, stop, out: mp.Queue) -> None:
+    import torch
+
+    from pipeline.ps import PSClient
+
+    torch.set_num_threads(1)
+    errors: list[str] = []
+
+    def loop(rank: int) -> None:
+        try:
+            with PSClient(HOST, port, rank=rank, secret=secret, timeout_s=120) as client:
+                info = client.connect()
+                grad = torch.full((info.num_params,), 1e-6)
+                client.pull(0)
+                step = info.clock
+                while not stop.is_set():
+                    client.push(step, grad)
+                    client.pull(0)
+                    step += 1
+                client.finish()
+        except Exception as exc:  # reported by the parent
+            errors.append(f"rank {rank}: {exc}")
+
+    threads = [threading.Thread(target=loop, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(errors)
+
+
+def async_updates_per_s(workers: int, shards: int, nbytes: int, window_s: float, warmup_s: float = 1.5) -> float:
+    import torch
+
+    from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
+    from pipeline.ps.modes import Consistency
+
+    secret = new_secret()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    stop = ctx.Event()
+    startup_s = 120.0  # deadline for spawning 2 processes that import torch and connecting every worker
+    with ParameterServer(torch.zeros(nbytes // 4), world_size=workers, secret=secret, host=HOST, timeout_s=120,
+                         optimizer=OptimizerSpec(name="sgd", lr=0.01), consistency=Consistency("async"),
+                         shards=shards) as server:
+        connect_by = time.time() + startup_s
+        procs = [ctx.Process(target=_async_workers, args=(server.address[1], list(range(i, workers, 2)), secret,
+                                                           stop, out)) for i in range(2)]
+        for p in procs:
+            p.start()
+        while len(server.registered_ranks) < workers:
+            if time.time() > connect_by or server.aborted:
+                stop.set()
+                raise RuntimeError(f"only {len(server.registered_ranks)} of {workers} workers connected "
+                                   f"within {startup_s:g}s")
+            time.sleep(0.05)
+        time.sleep(warmup_s)
+        v0, t0 = server.version, time.perf_counter()
+        time.sleep(window_s)
+        v1, t1 = server.version, time.perf_counter()
+        stop.set()
+        errors = [e for _ in procs for e in out.get(timeout=300)]
+        for p in procs:
+            p.join(60)
+    if errors:
+        raise RuntimeError("; ".join(errors[:3]))
+    return (v1 - v0) / (t1 - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--workers", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--window-s", type=float, default=3.0)
+    parser.add_argument("--model-kb", type=int, default=64)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    print(f"host: {os.cpu_count()} cpus, torch {torch.__version__}, python {sys.version.split()[0]}")
+    print("\nsync round, 2 worker processes (median ms per step)")
+    print(f"{'size':>6} | {'(a) PS push+pull':>16} | {'(b) gloo allreduce':>18} | {'(c) TCP round trip':>18} | "
+          f"{'a/b':>5} | {'a/c':>5}")
+    for mb in args.sizes_mb:
+        nbytes = int(mb * MB)
+        a = ps_sync_round(nbytes, args.steps, args.warmup)
+        b = gloo_allreduce(nbytes, args.steps, args.warmup)
+        c = tcp_round_trip(nbytes, args.steps, args.warmup)
+        print(f"{mb:>4g}MB | {a * 1e3:>16.2f} | {b * 1e3:>18.2f} | {c * 1e3:>18.2f} | {a / b:>5.2f} | {a / c:>5.2f}",
+              flush=True)
+    print(f"\nasync updates/s, {args.model_kb} KB model, workers as threads in 2 processes")
+    print(f"{'workers':>7} | " + " | ".join(f"{f'{k} shard(s)':>11}" for k in args.shards) + " | 2 vs 1")
+    for w in args.workers:
+        rates = {k: async_updates_per_s(w, k, args.model_kb * 1024, args.window_s) for k in args.shards}
+        ratio = f"{rates[2] / rates[1]:.2f}x" if 1 in rates and 2 in rates else "-"
+        print(f"{w:>7} | " + " | ".join(f"{rates[k]:>11.0f}" for k in args.shards) + f" | {ratio}", flush=True)
+    print(f"\ntotal {time.perf_counter() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""How a worker exchanges with the parameter server after each backward pass, one class per ``ps.mode``.
+
+Why separate classes: the training loop (forward, backward, metrics) is the same in every mode; only
+what happens after backward differs (push a gradient and wait, push and go on, or step locally and
+push a parameter delta every ``sync_every`` steps). The mode itself comes from the server's WELCOME,
+so driver and workers cannot disagree about it.
+
+Each exchange tracks, per epoch, the seconds spent in PS calls (``wait_s``: transfer plus waiting for
+peers) and the staleness of the parameters each gradient was computed on:
+ssp: clocks the rank runs ahead of the applied version; async: versions applied between the rank's
+pull and its push being applied; sync/average: 0.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # keep torch and the client out of module import time
+    import torch
+
+    from pipeline.ps import PSClient, ServerInfo
+
+log = logging.getLogger(__name__)
+
+
+class ExchangeStats:
+    """Per-epoch communication metrics; ``take()`` returns them and starts the next epoch."""
+
+    def __init__(self) -> None:
+        self.wait_s = 0.0
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self.count = 0
+
+    def record(self, staleness: int) -> None:
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        self.count += 1
+
+    def take(self) -> dict[str, float]:
+        out = {"wait_s": self.wait_s, "staleness_max": float(self.staleness_max),
+               "staleness_mean": self.staleness_sum / self.count if self.count else 0.0}
+        self.__init__()
+        return out
+
+
+class Exchange:
+    """Base: ``start()`` loads the server's parameters and returns the first step; ``after_backward``
+    does this mode's PS work for one step and returns the next step number."""
+
+    def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
+                 optimizer: dict) -> None:
+        import torch
+
+        self.client = client
+        self.info = info
+        self.model = model
+        self.total_steps = total_steps
+        self.stats = ExchangeStats()
+        self.grad = torch.empty(info.num_params, dtype=torch.float32)
+
+    def _pull(self, wanted: int) -> tuple[int, torch.Tensor]:
+        from pipeline.models import load_flat_parameters
+
+        started = time.perf_counter()
+        version, params = self.client.pull(wanted)
+        self.stats.wait_s += time.perf_counter() - started
+        load_flat_parameters(self.model, params)
+        return version, params
+
+    def _push(self, step: int, values: torch.Tensor) -> int:
+        started = time.perf_counter()
+        acked = self.client.push(step, values)
+        self.stats.wait_s += time.perf_counter() - started
+        return acked
+
+    def _gradients(self) -> torch.Tensor:
+        from pipeline.models.flat import flat_gradients
+
+        return flat_gradients(self.model, out=self.grad)
+
+    def start(self) -> int:
+        raise NotImplementedError
+
+    def after_backward(self, step: int) -> int:
+        raise NotImplementedError
+
+
+class SyncExchange(Exchange):
+    """BSP: push step t, wait for version t+1 (every rank's gradient averaged and applied)."""
+
+    def start(self) -> int:
+        version, _ = self._pull(0)
+        return version
+
+    def after_backward(self, step: int) -> int:
+        self._push(step, self._gradients())
+        version, _ = self._pull(step + 1)
+        self.stats.record(0)
+        return version
+
+
+class SspExchange(Exchange):
+    """Bounded staleness: push clock c, then wait (server side) until c+1 is within the bound."""
+
+    def start(self) -> int:
+        clock = self.info.clock
+        version, _ = self._pull(clock)
+        self.stats.record(clock - version)
+        return clock
+
+    def after_backward(self, step: int) -> int:
+        self._push(step, self._gradients())
+        version, _ = self._pull(step + 1)
+        self.stats.record(step + 1 - version)
+        return step + 1
+
+
+class AsyncExchange(Exchange):
+    """Downpour: push (applied at once), then take whatever version is current; never waits for peers."""
+
+    def start(self) -> int:
+        self.pulled, _ = self._pull(0)
+        return self.info.clock
+
+    def after_backward(self, step: int) -> int:
+        applied_to = self._push(step, self._gradients())
+        self.stats.record(applied_to - self.pulled)
+        self.pulled, _ = self._pull(0)
+        return step + 1
+
+
+class AverageExchange(Exchange):
+    """Local SGD: a local optimizer every step; every ``sync_every`` steps (and after the last) push
+    ``local - last average`` and continue from the new average. Local optimizer state is kept."""
+
+    def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
+                 optimizer: dict) -> None:
+        super().__init__(client, info, model, total_steps, optimizer)
+        from pipeline.ps.optim import OptimizerSpec, build_optimizer
+
+        spec = OptimizerSpec(**{**optimizer, "betas": tuple(optimizer.get("betas", (0.9, 0.999)))})
+        self.optimizer = build_optimizer(spec, list(model.parameters()))
+        self.base = self.grad.clone()
+        self.local_steps = 0
+        self.round = 0
+
+    def start(self) -> int:
+        self.round, params = self._pull(0)
+        self.base.copy_(params)
+        return 0
+
+    def after_backward(self, step: int) -> int:
+        from pipeline.ps.modes import is_sync_point
+
+        self.optimizer.step()
+        self.local_steps += 1
+        if is_sync_point(self.local_steps, self.total_steps, self.info.sync_every):
+            delta = _flat_parameters_into(self.model, self.grad).sub_(self.base)
+            self._push(self.round, delta)
+            self.round, params = self._pull(self.round + 1)
+            self.base.copy_(params)
+        self.stats.record(0)
+        return step + 1
+
+
+def _flat_parameters_into(model, out: torch.Tensor) -> torch.Tensor:
+    """The model's parameters into a preallocated flat vector (``model.parameters()`` order)."""
+    import torch
+
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            n = p.numel()
+            out[offset:offset + n].copy_(p.reshape(-1))
+            offset += n
+    return out
+
+
+EXCHANGES: dict[str, type[Exchange]] = {"sync": SyncExchange, "ssp": SspExchange, "async": AsyncExchange,
+                                        "average": AverageExchange}
+
+
+def make_exchange(client: PSClient, info: ServerInfo, model, total_steps: int, optimizer: dict) -> Exchange:
+    try:
+        cls = EXCHANGES[info.mode]
+    except KeyError:
+        raise ValueError(f"the parameter server runs ps.mode={info.mode!r}, which this worker does not know; "
+                         "driver and workers must run the same shardline version") from None
+    return cls(client, info, model, total_steps, optimizer)

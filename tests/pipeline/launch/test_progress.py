@@ -1,0 +1,45 @@
+import io
+
+from pipeline.launch.progress import EpochProgress, StepProgress
+
+
+def test_epoch_lines_wait_for_every_rank_and_aggregate():
+    rows = []
+    progress = EpochProgress(world_size=2, epochs=3, on_epoch=rows.append)
+    progress(0, {"epoch": 0, "step": 10, "train_loss": 1.0, "samples": 100, "seconds": 2.0, "val_accuracy": 0.5})
+    assert rows == []
+    progress(1, {"epoch": 0, "step": 10, "train_loss": 3.0, "samples": 300, "seconds": 4.0})
+    (row,) = rows
+    assert row["train_loss"] == (1.0 * 100 + 3.0 * 300) / 400  # sample-weighted
+    assert row["samples_per_s"] == 400 / 4.0  # the slowest rank bounds the epoch
+    assert row["val_accuracy"] == 0.5 and progress.history == rows
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_step_bar_renders_rate_loss_and_eta():
+    bar = StepProgress(lambda: 50, total_steps=100, stream=FakeTTY())
+    bar.update_loss({"train_loss": 0.25})
+    line = bar.render(50, 10.0)
+    assert "50/100 steps" in line and "5.0 steps/s" in line and "loss 0.2500" in line and "ETA 10s" in line
+    assert line.startswith("[" + "#" * 15 + "." * 15 + "]")
+
+
+def test_step_bar_is_silent_off_a_terminal():
+    stream = io.StringIO()
+    with StepProgress(lambda: 1, total_steps=10, stream=stream, interval_s=0.01) as bar:
+        assert not bar.enabled
+    assert stream.getvalue() == ""
+
+
+def test_step_bar_draws_on_a_terminal():
+    stream = FakeTTY()
+    versions = iter(range(0, 1000))
+    with StepProgress(lambda: next(versions), total_steps=5, stream=stream, interval_s=0.01):
+        import time
+
+        time.sleep(0.2)
+    assert "\r[" in stream.getvalue() and "/5 steps" in stream.getvalue()
