@@ -1,6 +1,7 @@
 """Loader throughput on the same shards: raw pyarrow (the ceiling) vs shardline's arrow loader vs petastorm.
 
     .venv/bin/python bench/loader_bench.py [--rows 1000000] [--features 64] [--dir /tmp/shardline-bench]
+        [--repeat 3] [--no-petastorm]
 
 (a) raw pyarrow: row groups in shuffled order, iter_batches -> numpy (features matrix + labels);
 (b) shardline StreamingLoader -> torch batches (row-group shuffle + shuffle buffer);
@@ -111,6 +112,9 @@ def main() -> int:
     parser.add_argument("--dir", default="/tmp/shardline-bench")
     parser.add_argument("--lts-python", default=str(REPO / ".venv-lts" / "bin" / "python"))
     parser.add_argument("--only", choices=["raw", "loader", "petastorm"], help="one measurement, as JSON")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="raw and loader runs, interleaved so both see the same machine load; best of each")
+    parser.add_argument("--no-petastorm", action="store_true", help="skip (c), the LTS-venv petastorm run")
     args = parser.parse_args()
     files = make_shards(Path(args.dir), args.rows, args.features, 1, args.row_group)[0]
     if args.only:
@@ -120,10 +124,12 @@ def main() -> int:
         print(json.dumps({args.only: value}))
         return 0
     bench_raw(files, args.features)  # warm the page cache
-    results = {"raw": max(bench_raw(files, args.features) for _ in range(2)),
-               "loader": max(bench_loader(files, args.batch, args.buffer, args.threads, args.prefetch)
-                             for _ in range(2))}
-    if os.path.exists(args.lts_python):
+    runs: dict[str, list[float]] = {"raw": [], "loader": []}
+    for _ in range(max(1, args.repeat)):  # interleaved: a busy machine slows both alike
+        runs["raw"].append(bench_raw(files, args.features))
+        runs["loader"].append(bench_loader(files, args.batch, args.buffer, args.threads, args.prefetch))
+    results = {name: max(values) for name, values in runs.items()}
+    if not args.no_petastorm and os.path.exists(args.lts_python):
         cmd = [args.lts_python, __file__, "--only", "petastorm", "--rows", str(args.rows), "--features",
                str(args.features), "--row-group", str(args.row_group), "--batch", str(args.batch), "--dir", args.dir,
                "--threads", str(args.threads)]

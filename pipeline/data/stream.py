@@ -1,9 +1,11 @@
 """One rank's shard files -> torch batches, streamed a row group at a time with bounded memory.
 
 Per epoch: row groups in a seeded random order -> decoded ahead by reader threads (a bounded window)
--> a fixed-size shuffle buffer -> exactly `steps_per_epoch` batches whose sizes differ by at most one,
-covering every row of the rank once -> a bounded queue filled by a prefetch thread -> the caller.
-Memory is O(shuffle_buffer_rows + row group x (reader_threads + 1) + batch x prefetch), whatever the
+-> a fixed-size shuffle buffer, which hands every row beyond its capacity on as one randomly ordered
+block per row group (a single vectorised gather) -> exactly `steps_per_epoch` batches whose sizes differ
+by at most one, zero-copy slices of those blocks, covering every row of the rank once -> a bounded queue
+filled by a prefetch thread -> the caller.
+Memory is O(shuffle_buffer_rows + row group x (reader_threads + 2) + batch x prefetch), whatever the
 shard size.
 """
 from __future__ import annotations
@@ -127,6 +129,10 @@ class StreamingLoader:
 
     # -- batches ------------------------------------------------------------------------------------
     def _batches(self, epoch: int, stop: threading.Event) -> Iterator[tuple]:
+        """The epoch's batches. Rows leave the shuffle buffer in blocks (every row beyond its capacity at
+        once: one vectorised random gather per row group, not one per batch) into an ordered row stream;
+        batches are consecutive slices of that stream, handed to torch without copying."""
+        import numpy as np
         import torch
 
         from pipeline.data.shuffle import ShuffleBuffer
@@ -139,31 +145,51 @@ class StreamingLoader:
         rng = epoch_rng(self.seed, self.rank, epoch) if self.shuffle else None
         buffer: Optional[ShuffleBuffer] = None
         pin = self.pin_memory if self.pin_memory is not None else torch.cuda.is_available()
+        stream: deque = deque()  # (features, labels) blocks taken from the buffer, in epoch order
+        streamed = 0  # rows in `stream`
         step, seen = 0, 0
 
-        def emit(size: int):
-            x, y = buffer.take(size)
+        def cut(size: int):
+            """The next `size` rows of the stream: a view of one block, or (straddling) a small concatenation."""
+            nonlocal streamed
+            xs, ys, need = [], [], size
+            while need:
+                x, y = stream[0]
+                if len(y) <= need:
+                    stream.popleft()
+                else:
+                    stream[0] = (x[need:], y[need:])
+                    x, y = x[:need], y[:need]
+                xs.append(x)
+                ys.append(y)
+                need -= len(y)
+            streamed -= size
+            x, y = (xs[0], ys[0]) if len(xs) == 1 else (np.concatenate(xs), np.concatenate(ys))
             x, y = torch.from_numpy(x), torch.from_numpy(y)
             return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
         for features, labels in self._chunks(epoch, stop):
             if buffer is None:
-                # Sized once: a chunk arrives only while the buffer is below capacity.
+                # Sized once: a chunk arrives only while the buffer is at or below capacity.
                 buffer = ShuffleBuffer(capacity + max(largest_group, len(labels)), features.shape[1],
                                        labels.dtype, rng)
             seen += len(labels)
             if seen > self.num_rows:
                 raise DataError(f"rank {self.rank}: the shard files hold more rows than their footers/manifest "
                                 f"say ({self.num_rows}); re-run `shardline etl`")
-            # Added in pieces that fit: after emitting, at least largest_group + 1 slots are free.
+            # Added in pieces that fit: after taking, the buffer holds at most `capacity` rows.
             offset = 0
             while offset < len(labels):
                 piece = min(buffer.slots - len(buffer), len(labels) - offset)
                 buffer.add(features[offset:offset + piece], labels[offset:offset + piece])
                 offset += piece
-                while step < len(sizes) and len(buffer) >= capacity:
-                    yield emit(sizes[step])
-                    step += 1
+                if len(buffer) > capacity:
+                    block = buffer.take(len(buffer) - capacity)
+                    stream.append(block)
+                    streamed += len(block[1])
+                    while step < len(sizes) and streamed >= sizes[step]:
+                        yield cut(sizes[step])
+                        step += 1
             del features, labels
             self.peak_buffered_rows = max(self.peak_buffered_rows, buffer.peak_rows)
             if stop.is_set():
@@ -171,8 +197,12 @@ class StreamingLoader:
         if seen != self.num_rows:
             raise DataError(f"rank {self.rank}: read {seen} rows from {len(self.files)} shard file(s), their "
                             f"footers/manifest say {self.num_rows}; re-run `shardline etl`")
+        if buffer is not None and len(buffer):
+            block = buffer.take(len(buffer))
+            stream.append(block)
+            streamed += len(block[1])
         while step < len(sizes):
-            yield emit(sizes[step])
+            yield cut(sizes[step])
             step += 1
 
     def epoch(self, epoch: int) -> Iterator[tuple]:

@@ -145,3 +145,24 @@ def test_shuffle_buffer_takes_each_row_once():
     while len(buffer):
         taken += buffer.take(min(7, len(buffer)))[1].tolist()
     assert sorted(taken) == list(range(100)) and taken != list(range(100))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_batches_straddling_row_groups_are_independent_and_thread_count_free(tmp_path, shuffle):
+    # batches (~53 rows) larger than the row groups (10 rows) and the buffer (8 rows): every batch is cut
+    # from several taken blocks; batches that are views of one block must not alias each other
+    path = _write(tmp_path / "s.parquet", np.arange(530), width=2, row_group_size=10)
+
+    def epoch(prefetch, threads):
+        loader = StreamingLoader([path], steps_per_epoch=10, seed=9, rank=0, shuffle=shuffle, shuffle_buffer_rows=8,
+                                 prefetch=prefetch, reader_threads=threads)
+        return _epoch(loader, 1)
+
+    batches = epoch(0, 1)
+    assert [len(y) for _, y in batches] == [53] * 10
+    ids = torch.cat([y for _, y in batches]).tolist()
+    assert sorted(ids) == list(range(530)) and (ids != list(range(530))) == shuffle
+    assert ids == torch.cat([y for _, y in epoch(3, 2)]).tolist()
+    before = [x.clone() for x, _ in batches]
+    batches[0][0].fill_(-1.0)  # the caller may write into a batch in place
+    assert all(torch.equal(x, b) for (x, _), b in zip(batches[1:], before[1:]))
