@@ -53,8 +53,7 @@ def _ps_worker(port: int, rank: int, secret: bytes, steps: int, warmup: int, out
         times = []
         for step in range(version, version + warmup + steps):
             started = time.perf_counter()
-            client.push(step, grad)
-            client.pull(step + 1)
+            client.push_pull(step, grad)  # push + pull(step + 1) in one round trip
             times.append(time.perf_counter() - started)
         client.finish()
     out.put(times[warmup:])

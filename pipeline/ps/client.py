@@ -248,6 +248,10 @@ class PSClient:
         self._send_all(links, lambda link: link.channel.send_empty(
             MsgType.PULL, generation=self.generation, rank=self.rank, step=min_version,
             timeout=self.timeout_s), what)
+        return self._receive_params(links, what)
+
+    def _receive_params(self, links: list[_Link], what: str) -> tuple[int, torch.Tensor]:
+        """Read every shard's PARAMS reply straight into its slice of the reusable buffer."""
         wait_s = _pull_wait_s(self.timeout_s)
         assert self._params_buf is not None and self._params is not None
         view = memoryview(self._params_buf)
@@ -279,12 +283,7 @@ class PSClient:
         """
         links = self._require()
         assert self._info is not None
-        flat = grad.detach().reshape(-1)
-        if flat.numel() != self._info.num_params:
-            raise PSError(f"rank {self.rank} pushed {flat.numel()} gradient values for step {step}, "
-                          f"the server holds {self._info.num_params} parameters")
-        if flat.dtype != torch.float32 or flat.device.type != "cpu" or not flat.is_contiguous():
-            flat = flat.to(device="cpu", dtype=torch.float32).contiguous()
+        flat = self._flat_gradient(step, grad)
         what = f"the ACK of the gradient for step {step}"
 
         def send(link: _Link) -> None:
@@ -297,6 +296,29 @@ class PSClient:
         self._send_all(links, send, what)
         return min(self._gather(links, MsgType.ACK, what, _pull_wait_s(self.timeout_s),
                                 lambda link, header: header.step))
+
+    def push_pull(self, step: int, grad: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """``push(step, grad)`` then ``pull(step + 1)`` in one round trip per shard (``PUSH_PULL``):
+        each shard answers with the PARAMS of the next version once the step is applied (sync,
+        average; ssp: once clock ``step + 1`` is within the bound). Not available in async mode, where
+        the push's ACK carries the version it was applied to. Same return value as ``pull``.
+        """
+        links = self._require()
+        assert self._info is not None
+        if self._info.mode == "async":
+            raise PSError("push_pull is not available in async mode; use push() then pull()")
+        flat = self._flat_gradient(step, grad)
+        what = f"parameters of version >= {step + 1} after the gradient for step {step}"
+
+        def send(link: _Link) -> None:
+            assert link.compressor is not None
+            encoded = link.compressor.encode(flat[link.start:link.end])
+            link.channel.send_payload(MsgType.PUSH_PULL, encoded.payload, encoded.dtype, encoded.count,
+                                      generation=self.generation, rank=self.rank, step=step,
+                                      timeout=self.timeout_s)
+
+        self._send_all(links, send, what)
+        return self._receive_params(links, what)
 
     def report(self, metrics: dict[str, Any]) -> None:
         """Send a metrics dict (JSON, <= 1 MiB) to the driver's ``on_metrics`` (via shard 0) and wait
@@ -338,6 +360,16 @@ class PSClient:
             self.close()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _flat_gradient(self, step: int, grad: torch.Tensor) -> torch.Tensor:
+        assert self._info is not None
+        flat = grad.detach().reshape(-1)
+        if flat.numel() != self._info.num_params:
+            raise PSError(f"rank {self.rank} pushed {flat.numel()} gradient values for step {step}, "
+                          f"the server holds {self._info.num_params} parameters")
+        if flat.dtype != torch.float32 or flat.device.type != "cpu" or not flat.is_contiguous():
+            flat = flat.to(device="cpu", dtype=torch.float32).contiguous()
+        return flat
+
     def _require(self) -> list[_Link]:
         if not self._links:
             raise PSError(f"rank {self.rank} is not connected to the parameter server (call connect())")

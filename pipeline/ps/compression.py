@@ -124,6 +124,15 @@ class Contribution:
         v = self.values
         return math.isfinite(float(v.sum(dtype=torch.float32))) or bool(torch.isfinite(v).all())
 
+    def start_sum(self, target: torch.Tensor) -> None:
+        """Overwrite ``target`` with ``0 + this push``, bit for bit what ``target.zero_()`` then
+        ``add_to(target)`` gives (``x + 0.0`` also turns -0.0 into +0.0), in one pass instead of two."""
+        if self.indices is None:
+            torch.add(self.values, 0.0, out=target)
+        else:
+            target.zero_()
+            self.add_to(target)
+
     def add_to(self, target: torch.Tensor) -> None:
         """Accumulate into an fp32 buffer (dense: promoted add; sparse: index_add, duplicates sum)."""
         if self.indices is None:

@@ -58,3 +58,55 @@ def build_optimizer(spec: OptimizerSpec, flat: torch.Tensor | list[torch.Tensor]
     return torch.optim.Adam(
         params, lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay
     )
+
+
+class FusedSGD:
+    """``torch.optim.SGD.step()`` for the server's one flat parameter, as the same in-place torch ops
+    without the optimizer's per-step Python machinery (param-group scans, state lookups, dispatch).
+
+    Bit-identical to ``_single_tensor_sgd`` (what SGD runs on CPU) by construction: the same ops in
+    the same order, the hyperparameters read from the optimizer's param group at every step (so
+    ``load_state_dict``/lr changes apply), the momentum buffer kept in ``optimizer.state`` (so
+    checkpoints and a fall-back to ``optimizer.step()`` see it). Only built for a plain SGD setup.
+    """
+
+    def __init__(self, optimizer: torch.optim.SGD) -> None:
+        self.optimizer = optimizer
+        self.group = optimizer.param_groups[0]
+        self.param = self.group["params"][0]
+
+    @classmethod
+    def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> FusedSGD | None:
+        """A fused stepper, or None when the optimizer is not plain single-tensor CPU SGD."""
+        if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+            return None
+        group = optimizer.param_groups[0]
+        if len(group["params"]) != 1 or group["params"][0].device.type != "cpu":
+            return None
+        if group.get("nesterov") or group.get("maximize") or group.get("foreach") or group.get("fused") \
+                or group.get("differentiable"):
+            return None
+        return cls(optimizer)
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """One SGD step of ``param`` (a detached view of the optimizer's parameter) with ``grad``."""
+        group = self.group
+        lr, momentum, dampening, weight_decay = (group["lr"], group["momentum"], group["dampening"],
+                                                 group["weight_decay"])
+        if isinstance(lr, torch.Tensor) or isinstance(weight_decay, torch.Tensor) or group.get("nesterov") \
+                or group.get("maximize"):
+            self.optimizer.step()  # a setup the fused path does not mirror
+            return
+        with torch.no_grad():
+            if weight_decay != 0:
+                grad = grad.add(param, alpha=weight_decay)
+            if momentum != 0:
+                state = self.optimizer.state[self.param]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = grad.detach().clone()
+                    state["momentum_buffer"] = buf
+                else:
+                    buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+                grad = buf
+            param.add_(grad, alpha=-lr)

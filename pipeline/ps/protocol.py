@@ -59,6 +59,9 @@ class MsgType(IntEnum):
     FAIL = 9  # client -> server: JSON {error, log_tail}
     FINISH = 10  # client -> server
     ERROR = 11  # server -> client: JSON {error, kind}
+    # client -> server: PUSH for `step` whose reply is the PARAMS a PULL(step + 1) would get (one round
+    # trip per synchronous step instead of two; sync/average/ssp only). Refusals come back as ERROR.
+    PUSH_PULL = 12
 
 
 class DType(IntEnum):
@@ -85,7 +88,7 @@ DTYPE_OF_TORCH: dict[torch.dtype, DType] = {v: k for k, v in TORCH_DTYPES.items(
 # What a receiver accepts today; widen this when a compressed mode lands.
 DEFAULT_TENSOR_DTYPES = frozenset({DType.FLOAT32})
 
-TENSOR_TYPES = frozenset({MsgType.PARAMS, MsgType.PUSH})
+TENSOR_TYPES = frozenset({MsgType.PARAMS, MsgType.PUSH, MsgType.PUSH_PULL})
 JSON_TYPES = frozenset({MsgType.WELCOME, MsgType.METRICS, MsgType.FAIL, MsgType.ERROR})
 FIXED_SIZE_TYPES: dict[MsgType, int] = {MsgType.CHALLENGE: NONCE_SIZE, MsgType.AUTH: MAC_SIZE}
 EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH})
@@ -218,10 +221,25 @@ def decode_tensor(payload: Buffer, header: Header) -> torch.Tensor:
     return torch.frombuffer(payload, dtype=TORCH_DTYPES[header.dtype], count=header.count)
 
 
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def set_buffer_sizes(sock: socket.socket, size: int = SOCKET_BUFFER_BYTES) -> None:
+    """Kernel send/receive buffers that hold a whole multi-MB tensor frame, so a frame moves in a few
+    large copies instead of many window-sized ones (the kernel caps this at net.core.[rw]mem_max)."""
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, opt) < size:
+                sock.setsockopt(socket.SOL_SOCKET, opt, size)
+        except OSError:  # pragma: no cover - platform without the option
+            pass
+
+
 def set_socket_options(sock: socket.socket) -> None:
-    """TCP_NODELAY (small control frames must not wait for Nagle) and keepalive (so a vanished
-    host is eventually noticed even when the other side is idle)."""
+    """TCP_NODELAY (small control frames must not wait for Nagle), large buffers and keepalive (so a
+    vanished host is eventually noticed even when the other side is idle)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    set_buffer_sizes(sock)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
         opt = getattr(socket, name, None)
@@ -266,13 +284,22 @@ class Channel:
             raise PSError(f"{header.type.name} payload is {len(body)} bytes, header says {header.length}")
         packed = header.pack()
         self.sock.settimeout(timeout)
-        if header.length and header.length <= 64 * 1024:
+        if not header.length:
+            self.sock.sendall(packed)
+        elif header.length <= 64 * 1024:
             # One segment for small frames; large tensors go out from their own memory.
             self.sock.sendall(packed + bytes(body))
         else:
-            self.sock.sendall(packed)
-            if header.length:
-                self.sock.sendall(body)
+            # Header and payload in one syscall (no copy of the payload); the rest, if any, by sendall.
+            deadline = deadline_after(timeout)
+            sent = self.sock.sendmsg([packed, body])
+            if sent < HEADER_SIZE:
+                self.sock.settimeout(_remaining(deadline))
+                self.sock.sendall(packed[sent:])
+                sent = HEADER_SIZE
+            if sent < HEADER_SIZE + header.length:
+                self.sock.settimeout(_remaining(deadline))
+                self.sock.sendall(memoryview(body).cast("B")[sent - HEADER_SIZE:])
         self.bytes_sent += HEADER_SIZE + header.length
 
     def send_empty(self, msg_type: MsgType, *, generation: int, rank: int, step: int = 0,
@@ -305,9 +332,13 @@ class Channel:
     def _recv_exact(self, view: memoryview, deadline: float | None, *, frame_start: bool) -> None:
         got = 0
         total = len(view)
+        sock = self.sock
+        if deadline is None:
+            sock.settimeout(None)
         while got < total:
-            self.sock.settimeout(_remaining(deadline))
-            n = self.sock.recv_into(view[got:], total - got)
+            if deadline is not None:
+                sock.settimeout(_remaining(deadline))
+            n = sock.recv_into(view[got:] if got else view, total - got)
             if n == 0:
                 if frame_start and got == 0:
                     raise PeerClosedError("peer closed the connection")

@@ -49,7 +49,7 @@ import torch
 from pipeline.errors import PSError, ProtocolError, WorkerFailure
 from pipeline.ps.compression import Contribution, topk_count, wire_dtype
 from pipeline.ps.modes import Consistency
-from pipeline.ps.optim import OptimizerSpec, build_optimizer
+from pipeline.ps.optim import FusedSGD, OptimizerSpec, build_optimizer
 from pipeline.ps.protocol import (
     NONCE_SIZE,
     U32_MAX,
@@ -59,6 +59,7 @@ from pipeline.ps.protocol import (
     MsgType,
     PeerClosedError,
     deadline_after,
+    set_buffer_sizes,
     set_socket_options,
     verify_mac,
 )
@@ -186,6 +187,7 @@ class ShardServer:
         self._flat.grad = self._grad_sum
         self._optimizer_spec = optimizer
         self._optimizer = build_optimizer(optimizer, self._flat)
+        self._fused_sgd = FusedSGD.for_optimizer(self._optimizer)
         # ssp: one gradient sum per clock that may be in flight (the ring's slot 0 is _grad_sum).
         self._clock_sums = [self._grad_sum] + [torch.zeros_like(self._grad_sum)
                                                 for _ in range(self._consistency.staleness
@@ -247,6 +249,7 @@ class ShardServer:
                 "(check ps.host / spark.driver.host)"
             ) from exc
         listener.settimeout(_ACCEPT_POLL_S)
+        set_buffer_sizes(listener)  # inherited by accepted sockets, so it is in place from the SYN on
         self._listener = listener
         host, port = listener.getsockname()[:2]
         self._address = (host, port)
@@ -651,7 +654,7 @@ class ShardServer:
         """Handle one request. Returns True when the connection is done (FINISH)."""
         channel = conn.channel
         kind = header.type
-        if kind is MsgType.PUSH:
+        if kind is MsgType.PUSH or kind is MsgType.PUSH_PULL:
             if header.dtype is not DType.SPARSE_F32 and header.count != self._num_params:
                 raise ProtocolError(f"PUSH of {header.count} elements, the model has {self._num_params}")
             payload = channel.recv_into(header, conn.grad_buf, deadline_after(self._timeout_s))
@@ -659,6 +662,9 @@ class ShardServer:
                 self._stats.push_payload_bytes += header.length
             contribution = Contribution(payload, header, self._num_params)  # validates sparse indices
             mode = self._consistency.mode
+            if kind is MsgType.PUSH_PULL:
+                self._reply_to(conn, header, lambda: self._handle_push_pull(conn, header.step, contribution))
+                return False
             handler = (self._handle_push_async if mode == "async" else
                        self._handle_push_ssp if mode == "ssp" else self._handle_push)
             self._reply_to(conn, header, lambda: handler(conn, header.step, contribution))
@@ -725,7 +731,20 @@ class ShardServer:
             return f"rank(s) {ranks} failed, so the {self._consistency.mode} run cannot complete ({parts})"
         return None
 
-    def _handle_push(self, conn: _Conn, step: int, grad: Contribution) -> None:
+    def _handle_push_pull(self, conn: _Conn, step: int, grad: Contribution) -> None:
+        """PUSH(step) then PULL(step + 1) as one request: the reply is PARAMS (or one ERROR), no ACK."""
+        mode = self._consistency.mode
+        if mode == "async":
+            raise _Refusal("PUSH_PULL is not available in async mode (the push's ACK carries the version it "
+                           "was applied to); send PUSH then PULL")
+        if mode == "ssp":
+            self._handle_push_ssp(conn, step, grad, ack=False)
+            self._handle_pull_bounded(conn, step + 1)
+        else:
+            self._handle_push(conn, step, grad, ack=False)
+            self._handle_pull(conn, step + 1)
+
+    def _handle_push(self, conn: _Conn, step: int, grad: Contribution, ack: bool = True) -> None:
         finite = grad.all_finite()  # outside the lock: a full pass over the gradient
         with self._cond:
             refusal = self._refusal_locked(conn)
@@ -739,21 +758,26 @@ class ShardServer:
             if not finite:
                 raise _Refusal(f"rank {conn.rank} pushed a gradient with NaN/Inf for step {step}; "
                                "lower train.lr or check the loss")
-            grad.add_to(self._grad_sum)
+            if self._pushed:
+                grad.add_to(self._grad_sum)
+            else:  # first push of the step: one pass that overwrites the (stale) sum
+                grad.start_sum(self._grad_sum)
             self._pushed.add(conn.rank)
             self._stats.pushes_applied += 1
             self._stats.last_step_by_rank[conn.rank] = step
             if len(self._pushed) == self._world_size:
                 self._apply_step_locked()
             self._cond.notify_all()
-        self._ack(conn, step)
+        if ack:
+            self._ack(conn, step)
 
     def _apply_step_locked(self) -> None:
-        """sync/average: apply the complete step and let the next one start."""
-        if self._step_locked(self._grad_sum, self._world_size):
+        """sync/average: apply the complete step and let the next one start. The sum is not zeroed
+        afterwards: the next step's first push overwrites it (``Contribution.start_sum``)."""
+        if self._step_locked(self._grad_sum, self._world_size, zero=False):
             self._pushed.clear()
 
-    def _step_locked(self, grad_sum: torch.Tensor, divisor: int) -> bool:
+    def _step_locked(self, grad_sum: torch.Tensor, divisor: int, zero: bool = True) -> bool:
         """Apply one update from ``grad_sum`` (then zeroed) and bump the version; False if
         new_generation()/close() discarded it meanwhile.
 
@@ -781,8 +805,12 @@ class ShardServer:
                 if divisor != 1:
                     grad_sum.div_(divisor)
                 self._flat.grad = grad_sum
-                self._optimizer.step()
-            grad_sum.zero_()
+                if self._fused_sgd is not None:
+                    self._fused_sgd.step(self._flat.detach(), grad_sum)
+                else:
+                    self._optimizer.step()
+            if zero:
+                grad_sum.zero_()
             self._version += 1
             return True
         finally:
@@ -833,7 +861,7 @@ class ShardServer:
             s.staleness_count += 1
         self._ack(conn, base)
 
-    def _handle_push_ssp(self, conn: _Conn, step: int, grad: Contribution) -> None:
+    def _handle_push_ssp(self, conn: _Conn, step: int, grad: Contribution, ack: bool = True) -> None:
         """Add to the clock's sum; apply every clock that is now complete, in order."""
         finite = grad.all_finite()
         bound = self._consistency.staleness
@@ -857,7 +885,8 @@ class ShardServer:
                     break
                 del self._clock_pushed[clock]
             self._cond.notify_all()
-        self._ack(conn, step)
+        if ack:
+            self._ack(conn, step)
 
     def _handle_pull_bounded(self, conn: _Conn, wanted: int) -> None:
         """ssp: PULL(c) = "rank wants to start clock c": wait until c - slowest <= staleness.

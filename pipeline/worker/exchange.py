@@ -75,6 +75,16 @@ class Exchange:
         self.stats.wait_s += time.perf_counter() - started
         return acked
 
+    def _push_pull(self, step: int, values: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Push ``step`` and pull version ``step + 1`` in one round trip (sync/ssp/average)."""
+        from pipeline.models import load_flat_parameters
+
+        started = time.perf_counter()
+        version, params = self.client.push_pull(step, values)
+        self.stats.wait_s += time.perf_counter() - started
+        load_flat_parameters(self.model, params)
+        return version, params
+
     def _gradients(self) -> torch.Tensor:
         from pipeline.models.flat import flat_gradients
 
@@ -95,8 +105,7 @@ class SyncExchange(Exchange):
         return version
 
     def after_backward(self, step: int) -> int:
-        self._push(step, self._gradients())
-        version, _ = self._pull(step + 1)
+        version, _ = self._push_pull(step, self._gradients())
         self.stats.record(0)
         return version
 
@@ -111,8 +120,7 @@ class SspExchange(Exchange):
         return clock
 
     def after_backward(self, step: int) -> int:
-        self._push(step, self._gradients())
-        version, _ = self._pull(step + 1)
+        version, _ = self._push_pull(step, self._gradients())
         self.stats.record(step + 1 - version)
         return step + 1
 
@@ -158,8 +166,7 @@ class AverageExchange(Exchange):
         self.local_steps += 1
         if is_sync_point(self.local_steps, self.total_steps, self.info.sync_every):
             delta = _flat_parameters_into(self.model, self.grad).sub_(self.base)
-            self._push(self.round, delta)
-            self.round, params = self._pull(self.round + 1)
+            self.round, params = self._push_pull(self.round, delta)
             self.base.copy_(params)
         self.stats.record(0)
         return step + 1

@@ -42,11 +42,16 @@ def test_a_failed_attempt_that_lingers_is_cancelled_after_the_grace_period():
     secret = new_secret()
     reasons = []
     with _server(secret) as server:
-        for rank in (0, 1):
-            PSClient(*server.address, rank=rank, secret=secret, timeout_s=5).connect()
-        server.fail("rank 1 failed (simulated)")
-        with StageWatchdog(server, 2, connect_timeout_s=5, grace_s=0.3, cancel=reasons.append, poll_s=0.05):
-            deadline = time.monotonic() + 5
-            while not reasons and time.monotonic() < deadline:
-                time.sleep(0.05)
+        clients = [PSClient(*server.address, rank=rank, secret=secret, timeout_s=5) for rank in (0, 1)]
+        try:
+            for client in clients:
+                client.connect()
+            server.fail("rank 1 failed (simulated)")
+            with StageWatchdog(server, 2, connect_timeout_s=5, grace_s=0.3, cancel=reasons.append, poll_s=0.05):
+                deadline = time.monotonic() + 5
+                while not reasons and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            for client in clients:  # closed while the server still runs, so nothing logs after the test
+                client.close()
     assert reasons and "did not stop within" in reasons[0]
