@@ -927,14 +927,8 @@ class ShardServer:
                     waited[conn.rank] = waited.get(conn.rank, 0.0) + time.monotonic() - started
             version = self._version
             conn.pulled_version = version
-            self._readers += 1
-        try:
-            conn.channel.send_tensor(MsgType.PARAMS, self._flat.detach(), generation=conn.generation,
-                                     rank=conn.rank, step=version, timeout=self._timeout_s)
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+            self._readers += 1  # the next step waits until this send is done: no torn parameters
+        self._send_params(conn, version)
 
     def _bounded_timeout_locked(self, rank: int, wanted: int) -> str:
         if self._consistency.mode != "ssp":
@@ -945,6 +939,16 @@ class ShardServer:
         return (f"timed out after {self._timeout_s:g}s waiting for the slowest rank(s) "
                 f"{', '.join(map(str, slow))} (at clock {self._version}) so that rank {rank} may start clock "
                 f"{wanted} within ps.staleness={bound}; raise {TIMEOUT_KEY} if these workers are only slow")
+
+    def _send_params(self, conn: _Conn, version: int) -> None:
+        """Send the parameters straight from the flat tensor; the caller registered a reader under the lock."""
+        try:
+            conn.channel.send_tensor(MsgType.PARAMS, self._flat.detach(), generation=conn.generation,
+                                     rank=conn.rank, step=version, timeout=self._timeout_s)
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
 
     def _handle_pull(self, conn: _Conn, min_version: int) -> None:
         deadline = time.monotonic() + self._timeout_s
@@ -976,13 +980,7 @@ class ShardServer:
             version = self._version
             conn.pulled_version = version
             self._readers += 1  # the next step waits until this send is done: no torn parameters
-        try:
-            conn.channel.send_tensor(MsgType.PARAMS, self._flat.detach(), generation=conn.generation,
-                                     rank=conn.rank, step=version, timeout=self._timeout_s)
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+        self._send_params(conn, version)
 
     def _timeout_message_locked(self, min_version: int) -> str:
         missing = sorted(set(range(self._world_size)) - self._pushed)
