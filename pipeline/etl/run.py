@@ -75,7 +75,9 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
         cleaned = index_labels(cleaned, data.label, labels, numeric_labels)
 
     split = assign_split(cleaned, [id_column] if id_column else features + [data.label], data.split)
-    split = split.persist(StorageLevel.MEMORY_AND_DISK)
+    # On local disk, not the heap: a wide cached frame (5M rows x 64 doubles) left the aggregations that
+    # follow without execution memory (AGGREGATE_OUT_OF_MEMORY at a 4g heap).
+    split = split.persist(StorageLevel.DISK_ONLY)
     try:
         offsets, totals = _split_offsets(split)
         workers = cfg.parallelism.data
