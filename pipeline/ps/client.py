@@ -283,17 +283,8 @@ class PSClient:
         """
         links = self._require()
         assert self._info is not None
-        flat = self._flat_gradient(step, grad)
         what = f"the ACK of the gradient for step {step}"
-
-        def send(link: _Link) -> None:
-            assert link.compressor is not None
-            encoded = link.compressor.encode(flat[link.start:link.end])
-            link.channel.send_payload(MsgType.PUSH, encoded.payload, encoded.dtype, encoded.count,
-                                      generation=self.generation, rank=self.rank, step=step,
-                                      timeout=self.timeout_s)
-
-        self._send_all(links, send, what)
+        self._send_gradient(links, MsgType.PUSH, self._flat_gradient(step, grad), step, what)
         return min(self._gather(links, MsgType.ACK, what, _pull_wait_s(self.timeout_s),
                                 lambda link, header: header.step))
 
@@ -307,18 +298,22 @@ class PSClient:
         assert self._info is not None
         if self._info.mode == "async":
             raise PSError("push_pull is not available in async mode; use push() then pull()")
-        flat = self._flat_gradient(step, grad)
         what = f"parameters of version >= {step + 1} after the gradient for step {step}"
+        self._send_gradient(links, MsgType.PUSH_PULL, self._flat_gradient(step, grad), step, what)
+        return self._receive_params(links, what)
+
+    def _send_gradient(self, links: list[_Link], msg_type: MsgType, flat: torch.Tensor, step: int,
+                       what: str) -> None:
+        """Each shard's slice of the gradient, compressed per shard, sent to every shard before any reply."""
 
         def send(link: _Link) -> None:
             assert link.compressor is not None
             encoded = link.compressor.encode(flat[link.start:link.end])
-            link.channel.send_payload(MsgType.PUSH_PULL, encoded.payload, encoded.dtype, encoded.count,
+            link.channel.send_payload(msg_type, encoded.payload, encoded.dtype, encoded.count,
                                       generation=self.generation, rank=self.rank, step=step,
                                       timeout=self.timeout_s)
 
         self._send_all(links, send, what)
-        return self._receive_params(links, what)
 
     def report(self, metrics: dict[str, Any]) -> None:
         """Send a metrics dict (JSON, <= 1 MiB) to the driver's ``on_metrics`` (via shard 0) and wait
