@@ -1,30 +1,16 @@
 """The pipeline job on a real multi-JVM Spark cluster: `local-cluster[2,1,1024]` runs a master, a worker
 and two executor JVMs, so barrier tasks, the driver PS and evaluation cross process boundaries."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.mark.slow
-def test_pipeline_job_on_local_cluster(tmp_path):
+def test_pipeline_job_on_local_cluster(submit_pipeline):
     from mlflow import MlflowClient
 
-    submit = os.path.join(os.path.dirname(sys.executable), "spark-submit")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-           "MLFLOW_DISABLE_TELEMETRY": "true", "SPARK_LOCAL_IP": "127.0.0.1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.run(
-        [submit, "--master", "local-cluster[2,1,1024]", "--conf", "spark.ui.enabled=false",
-         "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.executor.memory=768m",
-         os.path.join(REPO, "jobs", "pipeline.py"), "--config", os.path.join(REPO, "conf", "digits.yaml"),
-         f"workdir={tmp_path}", f"tracking.uri={uri}", "train.epochs=8"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc, uri = submit_pipeline("local-cluster[2,1,1024]", "--conf", "spark.executor.memory=768m",
+                                overrides=["train.epochs=8"])
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     assert "master=local-cluster[2,1,1024]" in output  # spark-submit's --master won over the config
