@@ -141,8 +141,20 @@ def test_every_mode_trains_through_the_same_loop(tmp_path, mode):
     assert stats["mode"] == mode
     assert sorted((m["epoch"], r) for r, m in reports) == [(e, r) for e in range(3) for r in (0, 1)]
     assert all({"wait_s", "staleness_max", "staleness_mean"} <= set(m) for _, m in reports)
-    losses = [m["train_loss"] for r, m in sorted(reports, key=lambda x: x[1]["epoch"]) if r == 0]
-    assert losses[-1] < losses[0]
+    # learned: the final parameters fit all training rows better than the initial ones (judged on the
+    # whole data set, not on per-epoch running losses, which async arrival order makes noisy)
+    from pipeline.data import read_tensors
+    from pipeline.models import load_flat_parameters, loss_fn
+
+    x, y = read_tensors([str(tmp_path / f"s{r}.parquet") for r in range(2)])
+    model = build_model(spec)
+
+    def data_loss(flat):
+        load_flat_parameters(model, flat)
+        with torch.no_grad():
+            return loss_fn("classification")(model(x), y).item()
+
+    assert data_loss(params) < data_loss(initial)
 
 
 def test_ssp_with_a_slow_rank_keeps_the_fast_one_within_the_bound(tmp_path):
