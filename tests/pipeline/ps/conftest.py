@@ -1,6 +1,7 @@
 """Fixtures for the parameter-server tests: real servers on 127.0.0.1, real threads, short deadlines."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -58,3 +59,39 @@ def make_client(secret: bytes) -> Iterator[Callable[..., PSClient]]:
     yield make
     for c in clients:
         c.close()
+
+
+class Background:
+    """One callable in a daemon thread: ``outcome()`` joins and returns its value or the exception it
+    raised; ``result()`` returns the value and re-raises the exception."""
+
+    JOIN_S = 20.0
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._out: list[Any] = []
+
+        def target() -> None:
+            try:
+                self._out.append(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed back to the test
+                self._out.append(exc)
+
+        self._thread = threading.Thread(target=target, daemon=True)
+        self._thread.start()
+
+    def outcome(self) -> Any:
+        self._thread.join(self.JOIN_S)
+        assert not self._thread.is_alive(), "background call hung"
+        return self._out[0]
+
+    def result(self) -> Any:
+        value = self.outcome()
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+
+@pytest.fixture
+def background() -> Callable[[Callable[[], Any]], Background]:
+    """Factory: ``background(fn)`` starts fn in a thread (see Background)."""
+    return Background

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
-from typing import Any, Callable
 
 import pytest
 import torch
@@ -16,30 +14,6 @@ from pipeline.ps.modes import Consistency, averaging_rounds, expected_version
 from pipeline.ps.protocol import Channel, MsgType, auth_mac
 
 N = 6
-JOIN_S = 20.0
-
-
-class Background:
-    """Run one callable in a daemon thread; ``result()`` joins and returns its value (or raises)."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._out: list[Any] = []
-
-        def target() -> None:
-            try:
-                self._out.append(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed back to the test
-                self._out.append(exc)
-
-        self._thread = threading.Thread(target=target, daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        self._thread.join(JOIN_S)
-        assert not self._thread.is_alive(), "background call hung"
-        if isinstance(self._out[0], BaseException):
-            raise self._out[0]
-        return self._out[0]
 
 
 def grad_for(rank: int, step: int, n: int) -> torch.Tensor:
@@ -68,7 +42,7 @@ def _wait_for(predicate, what: str, deadline_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_ssp_blocks_the_fast_rank_at_exactly_the_bound(make_server, make_client):
+def test_ssp_blocks_the_fast_rank_at_exactly_the_bound(make_server, make_client, background):
     server = make_server(world_size=2, consistency=Consistency("ssp", staleness=2), timeout_s=10)
     fast, slow = make_client(server, 0, timeout_s=10), make_client(server, 1, timeout_s=10)
     fast.connect(), slow.connect()
@@ -78,7 +52,7 @@ def test_ssp_blocks_the_fast_rank_at_exactly_the_bound(make_server, make_client)
         version, _ = fast.pull(clock + 1)
         assert version == 0
     fast.push(2, grad_for(0, 2, N))
-    blocked = Background(lambda: fast.pull(3))  # would be 3 clocks ahead of the slowest: must wait
+    blocked = background(lambda: fast.pull(3))  # would be 3 clocks ahead of the slowest: must wait
     _wait_for(lambda: server.waiting_ranks == {0: 3}, "rank 0 to block on clock 3")
     assert server.version == 0 and server.waiting_ranks == {0: 3}
     slow.push(0, grad_for(1, 0, N))  # the slowest completes clock 0: version 1, lead 3 - 1 = 2
@@ -90,7 +64,7 @@ def test_ssp_blocks_the_fast_rank_at_exactly_the_bound(make_server, make_client)
         fast.push(4, grad_for(0, 4, N))
 
 
-def test_ssp_with_zero_staleness_applies_exactly_what_sync_applies(make_server, make_client):
+def test_ssp_with_zero_staleness_applies_exactly_what_sync_applies(make_server, make_client, background):
     results = {}
     for mode in ("sync", "ssp"):
         server = make_server(torch.zeros(N), world_size=2, consistency=Consistency(mode, staleness=0),
@@ -101,7 +75,7 @@ def test_ssp_with_zero_staleness_applies_exactly_what_sync_applies(make_server, 
         for step in range(4):
             for c in clients:
                 c.push(step, grad_for(c.rank, step, N))
-            waiters = [Background(lambda c=c: c.pull(step + 1)) for c in clients]
+            waiters = [background(lambda c=c: c.pull(step + 1)) for c in clients]
             assert {w.result()[0] for w in waiters} == {step + 1}
         results[mode] = server.parameters()
     assert torch.equal(results["sync"], results["ssp"])

@@ -63,28 +63,6 @@ def raw_channel(server: ParameterServer, secret: bytes, *, rank: int = 0,
     return channel
 
 
-class Background:
-    """Run one callable in a daemon thread; ``result()`` joins and returns its value or exception."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._out: list[Any] = []
-
-        def target() -> None:
-            try:
-                self._out.append(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed back to the test
-                self._out.append(exc)
-
-        self._thread = threading.Thread(target=target, daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        self._thread.join(JOIN_S)
-        assert not self._thread.is_alive(), "background worker hung"
-        return self._out[0]
-
-
-
 def grad_for(rank: int, step: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + rank))
 
@@ -324,13 +302,13 @@ def test_rank_that_never_pushes_times_out_naming_it(make_server, make_client) ->
 
 
 @pytest.mark.parametrize("how", ["disconnect", "fail", "finish"])
-def test_dead_failed_or_finished_peer_fails_the_waiter_fast(make_server, make_client, how) -> None:
+def test_dead_failed_or_finished_peer_fails_the_waiter_fast(make_server, make_client, how, background) -> None:
     # A long deadline: only failing fast (not the timeout) can end the wait within the test.
     server = make_server(world_size=2, timeout_s=30)
     c0, c1 = make_client(server, 0), make_client(server, 1)
     c0.connect()
     c1.connect()
-    waiter = Background(lambda: waiting_pull(c0))
+    waiter = background(lambda: waiting_pull(c0))
     wait_for_waiter(server)
     if how == "disconnect":
         c1.close()
@@ -338,7 +316,7 @@ def test_dead_failed_or_finished_peer_fails_the_waiter_fast(make_server, make_cl
         c1.fail("CUDA out of memory", log_tail="line 1\nline 2")
     else:
         c1.finish()
-    error = waiter.result()
+    error = waiter.outcome()
     assert isinstance(error, PSError) and not isinstance(error, PSTimeoutError), error
     assert "rank(s) 1" in str(error)
     if how == "finish":
@@ -365,29 +343,29 @@ def test_requests_after_a_peer_failed_are_refused(make_server, make_client) -> N
     assert "after rank(s) 1 had failed" in server.failures[0].error
 
 
-def test_server_fail_wakes_waiters_and_refuses_newcomers(make_server, make_client) -> None:
+def test_server_fail_wakes_waiters_and_refuses_newcomers(make_server, make_client, background) -> None:
     server = make_server(world_size=2, timeout_s=30)
     c0 = make_client(server, 0)
     c0.connect()
-    waiter = Background(lambda: waiting_pull(c0))
+    waiter = background(lambda: waiting_pull(c0))
     wait_for_waiter(server)
     server.fail("executor lost; the driver aborts this attempt")
-    error = waiter.result()
+    error = waiter.outcome()
     assert isinstance(error, PSError) and "executor lost" in str(error)
     with pytest.raises(AuthenticationError, match="executor lost"):
         make_client(server, 1).connect()
     c0.close()
 
 
-def test_close_wakes_waiters_and_is_idempotent(make_server, make_client) -> None:
+def test_close_wakes_waiters_and_is_idempotent(make_server, make_client, background) -> None:
     server = make_server(world_size=2, timeout_s=30)
     c0 = make_client(server, 0)
     c0.connect()
-    waiter = Background(lambda: waiting_pull(c0))
+    waiter = background(lambda: waiting_pull(c0))
     wait_for_waiter(server)
     server.close()
     server.close()
-    error = waiter.result()
+    error = waiter.outcome()
     assert isinstance(error, PSError) and "shutting down" in str(error)
     assert server.failures == {}  # a shutdown is not a worker failure
     c0.close()
