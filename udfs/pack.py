@@ -1,7 +1,8 @@
 """Standardize feature columns and pack them into one float32 vector column, assigning balanced shards.
 
-The body runs under `DataFrame.mapInArrow`: it sees one partition as Arrow record batches and returns
-record batches, so no row ever becomes a Python object.
+The generator runs inside the shard writer's `DataFrame.mapInArrow` body (udfs/shard_writer.py): it sees
+one partition as Arrow record batches and yields record batches, so no row ever becomes a Python object.
+Features come out as a fixed_size_list<float> column (one contiguous float32 buffer per batch).
 """
 from __future__ import annotations
 
@@ -9,15 +10,14 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+
+from udfs.profile import invalid_flags
 
 FEATURES = "features"
 LABEL = "label"
 SPLIT = "split"
 SHARD = "shard"
-
-
-def output_schema_ddl(label_is_integer: bool) -> str:
-    return f"{FEATURES} array<float>, {LABEL} {'bigint' if label_is_integer else 'double'}, {SPLIT} string, {SHARD} int"
 
 
 def make_pack_fn(
@@ -27,21 +27,41 @@ def make_pack_fn(
     means: Sequence[float] | None,
     stds: Sequence[float] | None,
     split_offsets: Mapping[str, Mapping[int, int]],
+    split_rows: Mapping[str, Mapping[int, int]],
     num_shards: Mapping[str, int],
-    label_is_integer: bool,
+    label_classes: Sequence[str] | None,
+    numeric_labels: bool,
+    float_columns: Sequence[str],
+    other_checked_columns: Sequence[str],
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Build the mapInArrow body.
 
     split_offsets[split][partition_id] is the number of rows of `split` in all earlier partitions, so
     (offset + position within this partition) is a global row index and `index % shards` deals rows out
-    round-robin: shard row counts then differ by at most one.
+    round-robin: shard row counts then differ by at most one. split_rows[split][partition_id] is what the
+    profile pass counted there; a partition that now holds other rows means the source changed between
+    the passes, and the shards would be unbalanced, so the task fails instead.
+
+    label_classes (classification) maps each label value, as text, to its index in the list. Rows with
+    null/NaN/inf in float_columns or null in other_checked_columns are dropped (the profile counted them).
     """
     columns = list(feature_columns)
     mean = None if means is None else np.asarray(means, dtype=np.float64)
     inv_std = None if stds is None else 1.0 / np.asarray(stds, dtype=np.float64)
     offsets = {split: dict(parts) for split, parts in split_offsets.items()}
     shards = dict(num_shards)
-    label_type = pa.int64() if label_is_integer else pa.float64()
+    floats, others = list(float_columns), list(other_checked_columns)
+    expected = {split: dict(parts) for split, parts in split_rows.items()}
+    classes = None
+    if label_classes is not None:
+        classes = pa.array([int(c) for c in label_classes], pa.int64()) if numeric_labels else pa.array(
+            list(label_classes), pa.string())
+
+    def labels_of(column: pa.Array) -> pa.Array:
+        if classes is None:
+            return column.cast(pa.float64())
+        values = column.cast(pa.int64()) if numeric_labels else column.cast(pa.string())
+        return pc.index_in(values, value_set=classes).cast(pa.int64())
 
     def pack(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -51,14 +71,16 @@ def make_pack_fn(
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            matrix = np.column_stack([
-                batch.column(name).to_numpy(zero_copy_only=False).astype(np.float64, copy=False) for name in columns
-            ]) if columns else np.empty((batch.num_rows, 0))
-            if mean is not None:
-                matrix = (matrix - mean) * inv_std
-            values = pa.array(matrix.astype(np.float32, copy=False).reshape(-1))
-            features = pa.ListArray.from_arrays(
-                pa.array(np.arange(0, matrix.size + 1, len(columns), dtype=np.int32)), values)
+            valid = ~invalid_flags(batch, floats, others).any(axis=1)
+            if not valid.all():
+                batch = batch.filter(pa.array(valid))
+                if batch.num_rows == 0:
+                    continue
+            matrix = np.empty((batch.num_rows, len(columns)), dtype=np.float32)
+            for j, name in enumerate(columns):
+                column = batch.column(name).to_numpy(zero_copy_only=False)
+                matrix[:, j] = column if mean is None else (column - mean[j]) * inv_std[j]
+            features = pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), len(columns))
             splits = batch.column(split_column).to_numpy(zero_copy_only=False)
             shard = np.empty(batch.num_rows, dtype=np.int32)
             for name in np.unique(splits):
@@ -68,8 +90,14 @@ def make_pack_fn(
                 shard[mask] = (np.arange(start, start + count) % shards[name]).astype(np.int32)
                 seen[name] = seen.get(name, 0) + count
             yield pa.RecordBatch.from_arrays(
-                [features, batch.column(label_column).cast(label_type), pa.array(splits, pa.string()), pa.array(shard)],
+                [features, labels_of(batch.column(label_column)), pa.array(splits, pa.string()), pa.array(shard)],
                 names=[FEATURES, LABEL, SPLIT, SHARD],
             )
+        for name in set(expected) | set(seen):
+            if seen.get(name, 0) != expected.get(name, {}).get(partition, 0):
+                raise RuntimeError(
+                    f"partition {partition} now holds {seen.get(name, 0)} {name} rows but the profile pass "
+                    f"counted {expected.get(name, {}).get(partition, 0)}: the ETL source changed (or is not "
+                    "deterministic) between its two reads; re-run the ETL on a stable source")
 
     return pack

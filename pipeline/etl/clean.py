@@ -44,35 +44,54 @@ def _q(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def cast_and_filter(df, features: list[str], data: DataConfig):
-    """Cast features (and a regression label) to double; count and drop or reject invalid rows."""
+NONNUM_FLAGS = "__nonnum"
+
+
+@dataclass(frozen=True)
+class CastFrame:
+    """The source with every feature (and a regression label) as a float column, ready for the Arrow UDFs.
+
+    Float columns pass through untouched (float32 stays float32 on the wire); other numbers are cast to
+    double; text is try_cast to double, and one flag array column (only when there is text) marks the
+    values that were present but not numbers. Null/NaN/inf checks happen vectorized in the UDFs, which
+    keeps the Spark plan flat and small on wide tables.
+    """
+    df: object
+    cast_columns: list[str]      # the float columns the UDFs check for null/NaN/inf
+    checked_columns: list[str]   # cast_columns, plus a classification label (checked for null only)
+    text_columns: list[str]      # the cast columns that were text: counted in NONNUM_FLAGS
+
+
+def cast_with_flags(df, features: list[str], data: DataConfig) -> CastFrame:
     from pyspark.sql import functions as F
+    from pyspark.sql.types import DoubleType, FloatType, NumericType
 
     label_col = data.label
     cast_cols = features + ([label_col] if data.task == "regression" else [])
     checks = cast_cols if data.task == "regression" else cast_cols + [label_col]
+    types = {f.name: f.dataType for f in df.schema.fields}
+    text = [c for c in cast_cols if not isinstance(types[c], NumericType)]
 
-    def invalid(c):
-        if c not in cast_cols:  # an untouched classification label: only null is invalid
-            return F.col(c).isNull()
-        return F.col(c).isNull() | F.isnan(F.col(c)) | (F.abs(F.col(c)) == float("inf"))
+    def as_float(c):
+        if isinstance(types[c], (FloatType, DoubleType)):
+            return F.col(c)
+        if c in text:
+            return F.expr(f"try_cast({_q(c)} AS DOUBLE)").alias(c)
+        return F.col(c).cast("double").alias(c)
 
-    # Per-row flags live in two flat array columns: a wide table then gives a flat plan instead of a
-    # chain of hundreds of nested ORs, which Spark's optimizer handles very slowly.
-    casted = df.select(
-        *[F.col(c) for c in df.columns if c not in cast_cols],
-        *[F.expr(f"try_cast({_q(c)} AS DOUBLE)").alias(c) for c in cast_cols],
-        F.array(*[(F.col(c).isNotNull() & F.expr(f"try_cast({_q(c)} AS DOUBLE)").isNull())
-                  for c in cast_cols]).alias("__nonnum"),
-    ).withColumn("__bad", F.array(*[invalid(c) for c in checks]))
-    any_invalid = F.array_contains(F.col("__bad"), True)
-    aggs = [F.count(F.lit(1)).alias("__rows"), F.sum(any_invalid.cast("long")).alias("__bad_rows")]
-    aggs += [F.sum(F.col("__bad")[i].cast("long")).alias(f"__bad_{i}") for i in range(len(checks))]
-    aggs += [F.sum(F.col("__nonnum")[i].cast("long")).alias(f"__nonnum_{i}") for i in range(len(cast_cols))]
-    row = casted.agg(*aggs).collect()[0]
-    report = CleanReport(input_rows=row["__rows"] or 0, invalid_rows=row["__bad_rows"] or 0)
-    report.invalid_by_column = {c: row[f"__bad_{i}"] for i, c in enumerate(checks) if row[f"__bad_{i}"]}
-    report.non_numeric = {c: row[f"__nonnum_{i}"] for i, c in enumerate(cast_cols) if row[f"__nonnum_{i}"]}
+    columns = [F.col(c) for c in df.columns if c not in cast_cols] + [as_float(c) for c in cast_cols]
+    if text:
+        columns.append(F.array(*[(F.col(c).isNotNull() & F.expr(f"try_cast({_q(c)} AS DOUBLE)").isNull())
+                                 for c in text]).alias(NONNUM_FLAGS))
+    return CastFrame(df.select(*columns), cast_cols, checks, text)
+
+
+def clean_report(frame: CastFrame, data: DataConfig, rows: int, bad_rows: int,
+                 bad_by_column: list[int], nonnum_by_column: list[int]) -> CleanReport:
+    """Judge the profiled counts: a clear error for empty, all-invalid or (with reject) any invalid input."""
+    report = CleanReport(input_rows=rows, invalid_rows=bad_rows, output_rows=rows - bad_rows)
+    report.invalid_by_column = {c: n for c, n in zip(frame.checked_columns, bad_by_column) if n}
+    report.non_numeric = {c: n for c, n in zip(frame.text_columns, nonnum_by_column) if n}
     if report.input_rows == 0:
         raise DataError(f"the input of data.source={data.source} ({data.path or 'built-in'}) has no rows")
     if report.invalid_rows and data.invalid_rows == "reject":
@@ -80,24 +99,17 @@ def cast_and_filter(df, features: list[str], data: DataConfig):
             f"{report.invalid_rows} of {report.input_rows} rows have null/NaN/inf or non-numeric values "
             f"(by column: {report.invalid_by_column}; non-numeric: {report.non_numeric or 'none'}); "
             "fix the input or set data.invalid_rows=drop")
-    cleaned = casted.where(~any_invalid).drop("__bad", "__nonnum")
-    report.output_rows = report.input_rows - report.invalid_rows
     if report.output_rows == 0:
         raise DataError(f"all {report.input_rows} input rows are invalid (by column: {report.invalid_by_column})")
     if report.invalid_rows:
         log.warning("dropped %d of %d rows with null/NaN/inf or non-numeric values (by column: %s)",
                     report.invalid_rows, report.input_rows, report.invalid_by_column)
-    return cleaned, report
+    return report
 
 
-def label_mapping(df, label_col: str) -> tuple[list[str], bool]:
-    """Sorted distinct labels (as strings) and whether they are numeric (sorted numerically then)."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import NumericType
-
-    numeric = isinstance(df.schema[label_col].dataType, NumericType)
-    values = [r[0] for r in df.select(F.col(label_col)).distinct().limit(MAX_CLASSES + 1).collect()]
-    if len(values) > MAX_CLASSES:
+def label_mapping(values: list[str], truncated: bool, label_col: str, numeric: bool) -> list[str]:
+    """Sorted distinct labels (as strings; numeric labels sorted numerically) from the profiled values."""
+    if truncated or len(values) > MAX_CLASSES:
         raise DataError(f"label column {label_col!r} has more than {MAX_CLASSES} distinct values; "
                         "for a numeric target set data.task=regression")
     if numeric:
@@ -105,16 +117,5 @@ def label_mapping(df, label_col: str) -> tuple[list[str], bool]:
         if fractional:
             raise DataError(f"label column {label_col!r} has non-integer values such as {fractional[:3]} "
                             "for a classification task; set data.task=regression")
-        return [str(v) for v in sorted(int(float(v)) for v in values)], True
-    return sorted(str(v) for v in values), False
-
-
-def index_labels(df, label_col: str, labels: list[str], numeric: bool):
-    """Replace the label column by its class index (bigint), via the vectorized UDF in udfs/."""
-    from pyspark.sql import functions as F
-
-    from udfs.labels import make_label_indexer
-
-    as_text = F.col(label_col).cast("bigint").cast("string") if numeric else F.col(label_col).cast("string")
-    indexer = make_label_indexer({label: i for i, label in enumerate(labels)})
-    return df.withColumn(label_col, indexer(as_text))
+        return [str(v) for v in sorted({int(float(v)) for v in values})]
+    return sorted(values)

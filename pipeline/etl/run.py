@@ -1,17 +1,19 @@
 """The ETL step: source -> clean -> split -> train-only statistics -> standardize + pack -> shards."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.config.schema import PipelineConfig
-from pipeline.etl.clean import cast_and_filter, feature_columns, index_labels, label_mapping
+from pipeline.etl.clean import (
+    MAX_CLASSES, NONNUM_FLAGS, CastFrame, CleanReport, cast_with_flags, clean_report, feature_columns,
+    label_mapping)
 from pipeline.etl.sources import DIGITS_ID, read_source
 from pipeline.etl.synthetic import SYNTHETIC_ID
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
-from pipeline.etl.stats import train_statistics
 from pipeline.errors import DataError
 from pipeline.shards.manifest import Manifest
 from pipeline.shards.write import SPLITS, write_shards
@@ -25,7 +27,7 @@ def shards_dir(cfg: PipelineConfig) -> Path:
 
 def row_bytes(num_features: int) -> int:
     """Estimated stored bytes of one shard row: float32 vectors barely compress, so the raw size of the
-    features plus label and Parquet overhead."""
+    features plus the label."""
     return 4 * num_features + 16
 
 
@@ -34,30 +36,65 @@ def rows_per_file(target_file_mb: float, num_features: int) -> int:
     return max(1, int(target_file_mb * 2**20 / row_bytes(num_features)))
 
 
-def _split_offsets(df) -> tuple[dict[str, dict[int, int]], dict[str, int]]:
-    """Rows of each split in all earlier partitions, per partition: the base of a global row index."""
-    from pyspark.sql import functions as F
+@dataclass
+class Profile:
+    """What the profile pass learned: cleaning counts, split sizes per partition, train moments, labels."""
+    report: CleanReport
+    split_rows: dict[str, dict[int, int]]
+    offsets: dict[str, dict[int, int]]
+    totals: dict[str, int]
+    means: list[float]
+    stds: list[float]
+    labels: list[str]
+    label_values_truncated: bool
 
-    counts = (df.groupBy(F.spark_partition_id().alias("pid"), F.col(SPLIT_COLUMN).alias("split"))
-              .count().collect())
-    per_split: dict[str, dict[int, int]] = {s: {} for s in SPLITS}
-    for row in counts:
-        per_split[row["split"]][row["pid"]] = row["count"]
-    offsets, totals = {}, {}
-    for split, parts in per_split.items():
-        running, offsets[split] = 0, {}
-        for pid in sorted(parts):
-            offsets[split][pid] = running
-            running += parts[pid]
-        totals[split] = running
-    return offsets, totals
+
+def profile(frame: CastFrame, features: list[str], data) -> Profile:
+    """One read of the source, summarized per partition by a vectorized Arrow UDF, merged here."""
+    import numpy as np
+
+    from udfs.profile import SPLITS as PROFILE_SPLITS, make_profile_fn, merge_moments, output_schema_ddl
+
+    others = [c for c in frame.checked_columns if c not in frame.cast_columns]
+    fn = make_profile_fn(features, data.label, SPLIT_COLUMN, frame.cast_columns, others,
+                         NONNUM_FLAGS if frame.text_columns else None, len(frame.text_columns), MAX_CLASSES,
+                         collect_labels=data.task == "classification")
+    rows = sorted(frame.df.mapInArrow(fn, output_schema_ddl()).collect(), key=lambda r: r["pid"])
+    input_rows = sum(r["rows"] for r in rows)
+    bad = np.sum([r["bad"] for r in rows], axis=0, dtype=np.int64) if rows else []
+    nonnum = np.sum([r["nonnum"] for r in rows], axis=0, dtype=np.int64) if rows else []
+    report = clean_report(frame, data, input_rows, sum(r["bad_rows"] for r in rows),
+                          [int(v) for v in bad], [int(v) for v in nonnum])
+    split_rows: dict[str, dict[int, int]] = {s: {} for s in SPLITS}
+    offsets: dict[str, dict[int, int]] = {s: {} for s in SPLITS}
+    totals = dict.fromkeys(SPLITS, 0)
+    count, mean, m2 = 0, np.zeros(len(features)), np.zeros(len(features))
+    labels: set[str] = set()
+    truncated = False
+    for r in rows:
+        for split, n in zip(PROFILE_SPLITS, r["split_rows"]):
+            if n:
+                split_rows[split][r["pid"]] = n
+                offsets[split][r["pid"]] = totals[split]
+                totals[split] += n
+        count, mean, m2 = merge_moments(count, mean, m2, r["train_count"], np.asarray(r["train_mean"]),
+                                        np.asarray(r["train_m2"]))
+        labels.update(r["labels"])
+        truncated = truncated or r["labels_truncated"]
+    std = np.sqrt(m2 / count) if count else np.ones(len(features))
+    stds = [float(v) if v > 1e-12 else 1.0 for v in std]  # a constant feature: no divide by 0
+    return Profile(report, split_rows, offsets, totals, [float(v) for v in mean], stds, sorted(labels), truncated)
 
 
 def run_etl(spark, cfg: PipelineConfig) -> Manifest:
-    """Prepare `cfg.data` into a committed shard set for `cfg.parallelism.data` workers."""
-    from pyspark import StorageLevel
+    """Prepare `cfg.data` into a committed shard set for `cfg.parallelism.data` workers.
 
-    from udfs.pack import make_pack_fn, output_schema_ddl
+    Two reads of the source and no shuffle: a profile pass (counts, split sizes per partition, train
+    statistics, labels) and a pack pass that standardizes, assigns balanced shards and writes them.
+    """
+    from pyspark.sql.types import NumericType
+
+    from udfs.pack import make_pack_fn
 
     started = time.perf_counter()
     data = cfg.data
@@ -67,47 +104,44 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
         raise DataError(f"id column {id_column!r} (data.id_column) is not in the input; columns: {raw.columns}")
     features = feature_columns(raw.columns, data, id_column)
     selected = raw.select(*dict.fromkeys(([id_column] if id_column else []) + features + [data.label]))
-    cleaned, report = cast_and_filter(selected, features, data)
+    frame = cast_with_flags(selected, features, data)
+    frame = dataclasses.replace(frame, df=assign_split(
+        frame.df, [id_column] if id_column else features + [data.label], data.split))
+    prof = profile(frame, features, data)
+    log.info("profile pass: %d rows in %.1fs", prof.report.input_rows, time.perf_counter() - started)
+    report, totals = prof.report, prof.totals
 
-    labels, numeric_labels = (None, False)
+    labels, numeric_labels = None, False
     if data.task == "classification":
-        labels, numeric_labels = label_mapping(cleaned, data.label)
-        cleaned = index_labels(cleaned, data.label, labels, numeric_labels)
+        numeric_labels = isinstance(selected.schema[data.label].dataType, NumericType)
+        labels = label_mapping(prof.labels, prof.label_values_truncated, data.label, numeric_labels)
 
-    split = assign_split(cleaned, [id_column] if id_column else features + [data.label], data.split)
-    # On local disk, not the heap: a wide cached frame (5M rows x 64 doubles) left the aggregations that
-    # follow without execution memory (AGGREGATE_OUT_OF_MEMORY at a 4g heap).
-    split = split.persist(StorageLevel.DISK_ONLY)
-    try:
-        offsets, totals = _split_offsets(split)
-        workers = cfg.parallelism.data
-        if totals["train"] < workers:
-            raise DataError(f"the train split has {totals['train']} rows, fewer than parallelism.data={workers} "
-                            "workers; use fewer workers or more data")
-        for name in ("validation", "test"):
-            if totals[name] == 0 and getattr(data.split, name) > 0:
-                raise DataError(f"the {name} split is empty ({report.output_rows} valid rows); "
-                                f"raise data.split.{name} or add data")
-        if data.standardize:
-            means, stds = train_statistics(split, features, SPLIT_COLUMN)
-        else:
-            means, stds = [0.0] * len(features), [1.0] * len(features)
-        # One train shard per worker; validation is read whole by rank 0; test is spread for Spark evaluation.
-        num_shards = {"train": workers, "validation": min(1, totals["validation"]),
-                      "test": min(workers, totals["test"])}
-        label_is_integer = data.task == "classification"
-        pack = make_pack_fn(features, data.label, SPLIT_COLUMN, means if data.standardize else None,
-                            stds if data.standardize else None, offsets, num_shards, label_is_integer)
-        packed = split.mapInArrow(pack, output_schema_ddl(label_is_integer))
-        etl_report = {**asdict(report), "split_rows": totals, "source": data.source, "path": data.path}
-        manifest = write_shards(
-            packed, shards_dir(cfg), num_shards=num_shards, name=cfg.name, task=data.task,
-            feature_columns=features, label_column=data.label, label_mapping=labels,
-            standardized=data.standardize, means=means, stds=stds, etl_report=etl_report,
-            rows_per_row_group=cfg.shards.rows_per_row_group,
-            rows_per_file=rows_per_file(cfg.shards.target_file_mb, len(features)), row_bytes=row_bytes(len(features)))
-    finally:
-        split.unpersist()
+    workers = cfg.parallelism.data
+    if totals["train"] < workers:
+        raise DataError(f"the train split has {totals['train']} rows, fewer than parallelism.data={workers} "
+                        "workers; use fewer workers or more data")
+    for name in ("validation", "test"):
+        if totals[name] == 0 and getattr(data.split, name) > 0:
+            raise DataError(f"the {name} split is empty ({report.output_rows} valid rows); "
+                            f"raise data.split.{name} or add data")
+    means, stds = (prof.means, prof.stds) if data.standardize else ([0.0] * len(features), [1.0] * len(features))
+    # One train shard per worker; validation is read whole by rank 0; test is spread for Spark evaluation.
+    num_shards = {"train": workers, "validation": min(1, totals["validation"]),
+                  "test": min(workers, totals["test"])}
+    pack = make_pack_fn(features, data.label, SPLIT_COLUMN, means if data.standardize else None,
+                        stds if data.standardize else None, prof.offsets, prof.split_rows, num_shards,
+                        labels, numeric_labels, frame.cast_columns,
+                        [c for c in frame.checked_columns if c not in frame.cast_columns])
+    etl_report = {**asdict(report), "split_rows": totals, "source": data.source, "path": data.path}
+    manifest = write_shards(
+        frame.df, pack, shards_dir(cfg), num_shards=num_shards, name=cfg.name, task=data.task,
+        feature_columns=features, label_column=data.label, label_mapping=labels,
+        standardized=data.standardize, means=means, stds=stds, etl_report=etl_report,
+        rows_per_row_group=cfg.shards.rows_per_row_group,
+        rows_per_file=rows_per_file(cfg.shards.target_file_mb, len(features)))
+    for split, info in manifest.splits.items():
+        if info.rows != totals[split]:
+            raise DataError(f"internal: wrote {info.rows} {split} rows but profiled {totals[split]}; please report this")
     log.info("etl done in %.1fs: %d input rows, %d invalid (%s), splits %s", time.perf_counter() - started,
              report.input_rows, report.invalid_rows, data.invalid_rows, totals)
     return manifest

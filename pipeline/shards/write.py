@@ -37,24 +37,31 @@ def commit(staging: Path, target: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
 
 
-def _collect_shards(root: Path, split: str, num_shards: int) -> SplitShards:
-    import pyarrow.parquet as pq
-
-    shards = []
-    for index in range(num_shards):
-        folder = root / f"split={split}" / f"shard={index}"
-        files = []
-        for file in sorted(folder.glob("*.parquet")) if folder.exists() else []:
-            metadata = pq.ParquetFile(file).metadata  # the footer only
-            groups = tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
-            files.append(ShardFile(path=str(file.relative_to(root)), rows=metadata.num_rows,
-                                   bytes=file.stat().st_size, row_groups=groups))
-        shards.append(Shard(index=index, rows=sum(f.rows for f in files), files=tuple(files)))
+def _shards_from_files(root: Path, split: str, num_shards: int, files: list[dict]) -> SplitShards:
+    by_shard: dict[int, list[ShardFile]] = {i: [] for i in range(num_shards)}
+    for f in sorted(files, key=lambda f: f["path"]):
+        if f["split"] != split:
+            continue
+        path = Path(f["path"])
+        by_shard[f["shard"]].append(ShardFile(path=str(path.relative_to(root)), rows=f["rows"],
+                                              bytes=path.stat().st_size, row_groups=tuple(f["row_groups"])))
+    shards = [Shard(index=i, rows=sum(f.rows for f in fs), files=tuple(fs)) for i, fs in by_shard.items()]
     return SplitShards(rows=sum(s.rows for s in shards), shards=tuple(shards))
 
 
+def _remove_unreported(root: Path, reported: set[str]) -> int:
+    """Delete files that no successful task attempt reported (failed or speculative attempts)."""
+    removed = 0
+    for file in root.rglob("*.parquet"):
+        if str(file) not in reported:
+            file.unlink()
+            removed += 1
+    return removed
+
+
 def write_shards(
-    packed_df,
+    df,
+    pack,
     target: str | os.PathLike,
     *,
     num_shards: Mapping[str, int],
@@ -67,32 +74,29 @@ def write_shards(
     means: Sequence[float],
     stds: Sequence[float],
     etl_report: Mapping[str, Any],
-    rows_per_row_group: Optional[int] = None,
-    rows_per_file: Optional[int] = None,
-    row_bytes: Optional[int] = None,
+    rows_per_row_group: int,
+    rows_per_file: int,
 ) -> Manifest:
-    """Write `packed_df` (columns features, label, split, shard) and commit it as the shard set `target`.
+    """Pack `df` with `pack` (udfs/pack.py) in its Spark tasks, write the shards, commit them as `target`.
 
-    rows_per_row_group caps Parquet row groups (the loader's read unit); rows_per_file splits a large
-    shard into several files; row_bytes is the estimated bytes of one row.
+    Each task writes its own rows of every (split, shard) it holds (no shuffle), so a shard is one file
+    per input partition, or more past rows_per_file; row groups hold exactly rows_per_row_group rows
+    (the loader's read unit) except the last of a file. `target` must be visible to the driver and every
+    executor (a local path in local mode; a shared mount such as NFS or /dbfs on a cluster).
     """
+    from udfs.shard_writer import FILES_SCHEMA_DDL, make_write_fn
+
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(target)
     try:
-        # One shuffle so each (split, shard) is written by one task into one file.
-        writer = packed_df.repartition("split", "shard").write.mode("errorifexists")
-        if rows_per_row_group:
-            # parquet-java >= 1.17 (Spark 4.3) caps rows per row group exactly; older ones (Spark 4.0's
-            # 1.15) ignore that key, so a byte target sized for the same rows bounds the groups there too
-            # (checked every 100+ rows, so groups are approximate on those).
-            writer = writer.option("parquet.block.row.count.limit", str(rows_per_row_group))
-            if row_bytes:
-                writer = writer.option("parquet.block.size", str(max(1024, int(rows_per_row_group * row_bytes * 1.25))))
-        if rows_per_file:
-            writer = writer.option("maxRecordsPerFile", str(rows_per_file))
-        writer.partitionBy("split", "shard").parquet(str(staging))
-        splits = {split: _collect_shards(staging, split, num_shards[split]) for split in SPLITS}
+        staging.mkdir()
+        write = make_write_fn(pack, str(staging), rows_per_row_group, rows_per_file)
+        files = [row.asDict() for row in df.mapInArrow(write, FILES_SCHEMA_DDL).collect()]
+        removed = _remove_unreported(staging, {f["path"] for f in files})
+        if removed:
+            log.info("removed %d file(s) left by failed or duplicate task attempts", removed)
+        splits = {split: _shards_from_files(staging, split, num_shards[split], files) for split in SPLITS}
         for split, info in splits.items():
             counts = [s.rows for s in info.shards]
             if counts and max(counts) - min(counts) > 1:
