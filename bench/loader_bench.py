@@ -8,7 +8,7 @@
 (c) petastorm make_batch_reader (shuffled row groups) -> shuffled torch batches, run in the LTS venv
     (--lts-python, default .venv-lts/bin/python) because petastorm needs pyarrow <= 14 and numpy < 2.
 Prints samples/s of each, b/a and b/c. Shards are written once with pyarrow in the shard-file layout
-(list<float> features, int64 label, rows_per_row_group rows per row group), labels from the synthetic
+(fixed_size_list<float> features as the ETL writes them, int64 label, rows_per_row_group rows per row group), labels from the synthetic
 teacher network.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def make_shards(folder: Path, rows: int, features: int, ranks: int, row_group: i
 
     from udfs.synthetic import teacher
 
-    done = folder / f"_DONE-{rows}x{features}x{ranks}x{row_group}"
+    done = folder / f"_DONE-etl-{rows}x{features}x{ranks}x{row_group}"
     files = [[str(folder / f"rank{r}.parquet")] for r in range(ranks)]
     if done.exists():
         return files
@@ -41,13 +41,13 @@ def make_shards(folder: Path, rows: int, features: int, ranks: int, row_group: i
     per_rank = rows // ranks
     rng = np.random.default_rng(0)
     for r in range(ranks):
-        with pq.ParquetWriter(files[r][0], pa.schema([("features", pa.list_(pa.float32())), ("label", pa.int64())])) as w:
+        with pq.ParquetWriter(files[r][0], pa.schema([("features", pa.list_(pa.float32(), features)), ("label", pa.int64())]),
+                              store_schema=False) as w:  # as the ETL writes them
             for start in range(0, per_rank, row_group):
                 n = min(row_group, per_rank - start)
                 x = rng.standard_normal((n, features), dtype=np.float32)
                 y = (np.tanh(x @ w1 + b1) @ w2).argmax(axis=1).astype(np.int64)
-                vectors = pa.ListArray.from_arrays(pa.array(np.arange(0, n * features + 1, features, dtype=np.int32)),
-                                                   pa.array(x.reshape(-1)))
+                vectors = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), features)
                 w.write_table(pa.table({"features": vectors, "label": y}), row_group_size=row_group)
     done.touch()
     return files

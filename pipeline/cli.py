@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--base", default=None, help="base config (default: base.yaml beside --config)")
         cmd.add_argument("--log-level", default="INFO", help="driver log level (default INFO)")
         cmd.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+        if name in ("train", "run"):
+            cmd.add_argument("--resume", action="store_true",
+                             help="continue from the newest checkpoint in train.checkpoint_dir (same shards, "
+                                  "model and parallelism), logging into the same MLflow run")
     return parser
 
 
@@ -43,7 +47,8 @@ def configure_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_command(command: str, config: Optional[str], overrides: Sequence[str], base: Optional[str] = None):
+def run_command(command: str, config: Optional[str], overrides: Sequence[str], base: Optional[str] = None,
+                resume: bool = False):
     """Load the config, get the Spark session and run one step; returns what the step returned."""
     from pipeline import steps
     from pipeline.config import load
@@ -56,10 +61,10 @@ def run_command(command: str, config: Optional[str], overrides: Sequence[str], b
     if command == "etl":
         return steps.etl(spark, cfg)
     if command == "train":
-        return steps.train(spark, cfg)
+        return steps.train(spark, cfg, resume=resume)
     if command == "evaluate":
         return steps.evaluate(spark, cfg)
-    return steps.run_all(spark, cfg)
+    return steps.run_all(spark, cfg, resume=resume)
 
 
 def _report(command: str, outcome) -> None:
@@ -83,7 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
-        outcome = run_command(args.command, args.config, args.overrides, args.base)
+        outcome = run_command(args.command, args.config, args.overrides, args.base,
+                              resume=getattr(args, "resume", False))
     except ShardlineError as exc:
         log.error("%s", exc)
         print(f"shardline {args.command} failed: {exc}", file=sys.stderr)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import ShardlineError
+from pipeline.errors import ConfigError, ShardlineError
 from pipeline.shards import MANIFEST_NAME, Manifest, load_manifest
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,26 @@ def _input_example(manifest: Manifest, rows: int = 5):
     return np.ascontiguousarray(features[:rows].numpy(), dtype=np.float32)
 
 
-def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest):
+def _resume_run_id(cfg: PipelineConfig, resume: bool) -> Optional[str]:
+    """The MLflow run a resumed training continues (recorded in its newest checkpoint)."""
+    if not resume:
+        return None
+    from pipeline.checkpoints import CheckpointStore
+    from pipeline.launch.train import checkpoint_dir
+
+    store = CheckpointStore(checkpoint_dir(cfg), cfg.train.keep_checkpoints)
+    latest = store.latest()
+    if latest is None:
+        raise ConfigError(f"--resume: no checkpoint in {store.directory} (train.checkpoint_dir); "
+                          "start without --resume")
+    return store.load(latest).get("extra", {}).get("mlflow_run_id")
+
+
+def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False):
     from pipeline.launch import train as launch_train
 
-    run.log_params(cfg.model_dump(mode="json"))
+    if not resume:  # a resumed run logged its params already (MLflow refuses to change them)
+        run.log_params(cfg.model_dump(mode="json"))
     run.set_tags({"shardline.fingerprint": manifest.fingerprint, "shardline.workers": str(cfg.parallelism.data)})
     run.log_file(os.path.join(manifest.root, MANIFEST_NAME), "data")
     run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),
@@ -111,7 +127,12 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest):
     def log_epoch(row: dict) -> None:  # called live from the PS thread as each epoch completes
         run.log_epoch(row["epoch"], {k: v for k, v in row.items() if k not in ("epoch", "step")})
 
-    result = launch_train(spark, cfg, manifest, on_epoch=log_epoch)
+    result = launch_train(spark, cfg, manifest, on_epoch=log_epoch, resume=resume,
+                          checkpoint_extra={"mlflow_run_id": run.run_id})
+    if result.resumed_from_step is not None:
+        run.set_tags({"shardline.resumed_from_step": str(result.resumed_from_step)})
+    if result.failed_attempts:
+        run.set_tags({"shardline.failed_attempts": str(len(result.failed_attempts))})
     run.log_history(result.history)
     run.log_metrics({"train_seconds": result.seconds, "train_steps": result.steps,
                      "train_samples_per_s": sum(r["samples"] for r in result.ranks) / max(result.seconds, 1e-9)})
@@ -138,13 +159,15 @@ def _log_model(run, cfg: PipelineConfig, manifest: Manifest, spec, parameters) -
     return run.log_model(model, _input_example(manifest), cfg.tracking.registered_model)
 
 
-def train(spark, cfg: PipelineConfig) -> PipelineOutcome:
-    """Train on the existing shard set; one MLflow run with params, per-epoch metrics and the model."""
+def train(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome:
+    """Train on the existing shard set; one MLflow run with params, per-epoch metrics and the model.
+    resume=True continues from the newest checkpoint, in the MLflow run that wrote it."""
     from pipeline.tracking import start_run
 
     manifest = load_shards(cfg)
-    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name) as run:
-        result = _train_into(run, spark, cfg, manifest)
+    run_id = _resume_run_id(cfg, resume)
+    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
+        result = _train_into(run, spark, cfg, manifest, resume)
         model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
     return PipelineOutcome(run.run_id, run.tracking_uri, {}, result.seconds, model_uri)
 
@@ -160,17 +183,18 @@ def evaluate(spark, cfg: PipelineConfig):
     return PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, 0.0)
 
 
-def run_all(spark, cfg: PipelineConfig) -> PipelineOutcome:
+def run_all(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome:
     """ETL, then training, evaluation and model logging in one MLflow run."""
-    return train_and_evaluate(spark, cfg, etl(spark, cfg))
+    return train_and_evaluate(spark, cfg, etl(spark, cfg), resume=resume)
 
 
-def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest) -> PipelineOutcome:
+def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False) -> PipelineOutcome:
     """Training, evaluation and model logging on a shard set, in one MLflow run."""
     from pipeline.tracking import start_run
 
-    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name) as run:
-        result = _train_into(run, spark, cfg, manifest)
+    run_id = _resume_run_id(cfg, resume)
+    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
+        result = _train_into(run, spark, cfg, manifest, resume)
         evaluation = _evaluate_into(run, spark, cfg, manifest, result.spec, result.parameters)
         model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
     return PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, result.seconds, model_uri)

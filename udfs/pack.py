@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from udfs.profile import invalid_flags
+from udfs.profile import invalid_flags, value_set
 
 FEATURES = "features"
 LABEL = "label"
@@ -33,6 +33,7 @@ def make_pack_fn(
     numeric_labels: bool,
     float_columns: Sequence[str],
     other_checked_columns: Sequence[str],
+    restrict_labels: bool = False,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Build the mapInArrow body.
 
@@ -43,7 +44,8 @@ def make_pack_fn(
     the passes, and the shards would be unbalanced, so the task fails instead.
 
     label_classes (classification) maps each label value, as text, to its index in the list. Rows with
-    null/NaN/inf in float_columns or null in other_checked_columns are dropped (the profile counted them).
+    null/NaN/inf in float_columns or null in other_checked_columns are dropped (the profile counted them),
+    and so are rows whose label is not in label_classes when restrict_labels (configured data.classes).
     """
     columns = list(feature_columns)
     mean = None if means is None else np.asarray(means, dtype=np.float64)
@@ -56,6 +58,7 @@ def make_pack_fn(
     if label_classes is not None:
         classes = pa.array([int(c) for c in label_classes], pa.int64()) if numeric_labels else pa.array(
             list(label_classes), pa.string())
+    allowed = {label_column: value_set(label_classes, numeric_labels)} if restrict_labels and label_classes else None
 
     def labels_of(column: pa.Array) -> pa.Array:
         if classes is None:
@@ -71,7 +74,7 @@ def make_pack_fn(
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            valid = ~invalid_flags(batch, floats, others).any(axis=1)
+            valid = ~invalid_flags(batch, floats, others, allowed).any(axis=1)
             if not valid.all():
                 batch = batch.filter(pa.array(valid))
                 if batch.num_rows == 0:

@@ -8,19 +8,22 @@ where a sum-of-squares formula loses precision.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 SPLITS = ("train", "validation", "test")
+# Distinct out-of-set label values each partition reports, as examples for the error message.
+MAX_LABEL_EXAMPLES = 5
 
 
 def output_schema_ddl() -> str:
     return ("pid int, rows bigint, bad_rows bigint, bad array<bigint>, nonnum array<bigint>, "
             "split_rows array<bigint>, train_count bigint, train_mean array<double>, train_m2 array<double>, "
-            "labels array<string>, labels_truncated boolean")
+            "labels array<string>, labels_truncated boolean, unknown_labels bigint, "
+            "unknown_label_examples array<string>")
 
 
 def merge_moments(count_a: int, mean_a: np.ndarray, m2_a: np.ndarray,
@@ -37,8 +40,22 @@ def merge_moments(count_a: int, mean_a: np.ndarray, m2_a: np.ndarray,
     return count, mean, m2
 
 
-def invalid_flags(batch: pa.RecordBatch, float_columns: Sequence[str], other_columns: Sequence[str]) -> np.ndarray:
-    """[rows, columns] booleans: null/NaN/inf in each float column, then null in each other column."""
+def value_set(values: Sequence[str], numeric: bool) -> pa.Array:
+    """The allowed values of a column as an Arrow array: float64 for a numeric column, text otherwise."""
+    return pa.array([float(v) for v in values], pa.float64()) if numeric else pa.array(list(values), pa.string())
+
+
+def outside(column: pa.Array, allowed: pa.Array) -> np.ndarray:
+    """Booleans: the value is present but not in `allowed` (nulls are not flagged here)."""
+    values = column if column.type == allowed.type else column.cast(allowed.type)
+    found = pc.is_in(values, value_set=allowed)
+    return ~pc.fill_null(pc.or_(found, pc.is_null(values)), True).to_numpy(zero_copy_only=False)
+
+
+def invalid_flags(batch: pa.RecordBatch, float_columns: Sequence[str], other_columns: Sequence[str],
+                  allowed: Mapping[str, pa.Array] | None = None) -> np.ndarray:
+    """[rows, columns] booleans: null/NaN/inf in each float column, then null in each other column (or,
+    for a column in `allowed`, a value outside its allowed set)."""
     flags = np.empty((batch.num_rows, len(float_columns) + len(other_columns)), dtype=bool)
     for i, name in enumerate(float_columns):
         column = batch.column(name)
@@ -49,6 +66,8 @@ def invalid_flags(batch: pa.RecordBatch, float_columns: Sequence[str], other_col
     for j, name in enumerate(other_columns, start=len(float_columns)):
         column = batch.column(name)
         flags[:, j] = column.is_null().to_numpy(zero_copy_only=False) if column.null_count else False
+        if allowed and name in allowed:
+            flags[:, j] |= outside(column, allowed[name])
     return flags
 
 
@@ -62,11 +81,18 @@ def make_profile_fn(
     num_nonnum: int,
     max_labels: int,
     collect_labels: bool,
+    label_values: Sequence[str] | None = None,
+    numeric_labels: bool = False,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """Build the mapInArrow body. `nonnum_column` (when there are text columns) holds per-row flag arrays."""
+    """Build the mapInArrow body. `nonnum_column` (when there are text columns) holds per-row flag arrays.
+
+    label_values (the configured classes) makes a row whose label is not among them invalid; such rows
+    are counted apart too, with a few example values. Numeric labels compare as numbers.
+    """
     columns = list(feature_columns)
     width = len(columns)
     floats, others = list(float_columns), list(other_checked_columns)
+    allowed = None if label_values is None else {label_column: value_set(label_values, numeric_labels)}
 
     def profile(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -77,11 +103,21 @@ def make_profile_fn(
         split_rows = np.zeros(len(SPLITS), dtype=np.int64)
         count, mean, m2 = 0, np.zeros(width), np.zeros(width)
         labels: set[str] = set()
+        unknown = 0
+        unknown_examples: set[str] = set()
         for batch in batches:
             if batch.num_rows == 0:
                 continue
             rows += batch.num_rows
-            flags = invalid_flags(batch, floats, others)
+            flags = invalid_flags(batch, floats, others, allowed)
+            if allowed is not None:
+                label_column_values = batch.column(label_column)
+                mask = outside(label_column_values, allowed[label_column])
+                if mask.any():
+                    unknown += int(mask.sum())
+                    if len(unknown_examples) < MAX_LABEL_EXAMPLES:
+                        odd = pc.unique(label_column_values.filter(pa.array(mask))).to_pylist()
+                        unknown_examples.update(str(v) for v in odd[:MAX_LABEL_EXAMPLES])
             bad += flags.sum(axis=0, dtype=np.int64)
             row_bad = flags.any(axis=1)
             if nonnum_column:
@@ -111,6 +147,7 @@ def make_profile_fn(
             "nonnum": nonnum.tolist(), "split_rows": split_rows.tolist(), "train_count": count,
             "train_mean": mean.tolist(), "train_m2": m2.tolist(),
             "labels": sorted(labels)[:max_labels + 1], "labels_truncated": truncated,
+            "unknown_labels": unknown, "unknown_label_examples": sorted(unknown_examples)[:MAX_LABEL_EXAMPLES],
         }], schema=_schema())
 
     return profile
@@ -122,4 +159,5 @@ def _schema() -> pa.Schema:
     return pa.schema([("pid", pa.int32()), ("rows", pa.int64()), ("bad_rows", pa.int64()), ("bad", longs),
                       ("nonnum", longs), ("split_rows", longs), ("train_count", pa.int64()),
                       ("train_mean", doubles), ("train_m2", doubles), ("labels", pa.list_(pa.string())),
-                      ("labels_truncated", pa.bool_())])
+                      ("labels_truncated", pa.bool_()), ("unknown_labels", pa.int64()),
+                      ("unknown_label_examples", pa.list_(pa.string()))])

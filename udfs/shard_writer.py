@@ -65,7 +65,10 @@ class _GroupWriter:
         if self.writer is None:
             os.makedirs(self.folder, exist_ok=True)
             self.path = os.path.join(self.folder, f"{self.prefix}-{self.sequence:04d}.parquet")
-            self.writer = pq.ParquetWriter(self.path, self.schema, compression="snappy")
+            # store_schema=False: without the Arrow schema in the footer, readers see the fixed_size_list as
+            # the plain Parquet LIST it is stored as (petastorm cannot read fixed-size lists; shardline's
+            # loader reads either zero-copy, the manifest holds the width).
+            self.writer = pq.ParquetWriter(self.path, self.schema, compression="snappy", store_schema=False)
             self.sequence += 1
         self.writer.write_table(group, row_group_size=rows)
         self.groups.append(rows)

@@ -6,20 +6,43 @@ with the key's dotted name instead of being silently ignored.
 from __future__ import annotations
 
 import re
+import types
+import typing
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+# Seeds feed numpy, torch and Spark hashes: they must fit in a signed 64-bit integer.
+_SEED = {"ge": -2**63, "le": 2**63 - 1}
+
+
+def _number_type(annotation: Any) -> bool:
+    """int/float fields, also inside Optional[...]."""
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(a in (int, float) for a in typing.get_args(annotation))
+    return False
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: `.inf`/`.nan` are rejected for every float key (no infinite timeout or rate).
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic would read `true` as 1 for an int key; a boolean where a number belongs is a mistake.
+        if isinstance(value, bool) and info.field_name and _number_type(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a number is expected, not a boolean")
+        return value
 
 
 class SparkConfig(_Section):
     """How the embedded session is built. Ignored when a SparkSession already exists (spark-submit)."""
 
-    master: str = "local[2]"
-    app_name: str = "shardline"
+    master: str = Field("local[2]", min_length=1)
+    app_name: str = Field("shardline", min_length=1)
     # Extra Spark properties for the embedded session; values are strings as in spark-defaults.conf.
     conf: dict[str, str] = Field(default_factory=dict)
 
@@ -30,7 +53,7 @@ class SplitConfig(_Section):
     train: float = Field(0.7, gt=0, lt=1)
     validation: float = Field(0.15, ge=0, lt=1)
     test: float = Field(0.15, gt=0, lt=1)
-    seed: int = 42
+    seed: int = Field(42, **_SEED)
 
     @model_validator(mode="after")
     def _fractions_sum_to_one(self) -> "SplitConfig":
@@ -55,7 +78,7 @@ class SyntheticConfig(_Section):
     teacher_hidden: int = Field(32, ge=1)
     # Std of the Gaussian noise added to the teacher's outputs before the label is taken.
     noise: float = Field(0.1, ge=0)
-    seed: int = 0
+    seed: int = Field(0, **_SEED)
     # Spark partitions (= raw Parquet files) of the generated data; null: the session's default parallelism.
     partitions: Optional[int] = Field(None, ge=1)
 
@@ -66,7 +89,7 @@ class DataConfig(_Section):
     source: Literal["digits", "csv", "parquet", "synthetic"] = "digits"
     # Input path for csv/parquet; for digits and synthetic, where the raw Parquet data is landed
     # (default: workdir/raw/digits, workdir/raw/synthetic-<name>).
-    path: Optional[str] = None
+    path: Optional[str] = Field(None, min_length=1)
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     # Training loader backend: arrow (shardline's streaming row-group reader) or petastorm (optional
     # extra `shardline[petastorm]`, needs pyarrow <= 14.0.2 and numpy < 2: the LTS stack).
@@ -79,16 +102,21 @@ class DataConfig(_Section):
     reader_threads: int = Field(1, ge=1, le=32)
     # Feature columns; null means every column except the label and the id column.
     features: Optional[list[str]] = None
-    label: str = "label"
+    label: str = Field("label", min_length=1)
     # Column that identifies a row for the split hash; null hashes the row's feature and label values.
-    id_column: Optional[str] = None
+    id_column: Optional[str] = Field(None, min_length=1)
     task: Literal["classification", "regression"] = "classification"
-    # drop: remove rows with null/NaN/inf in features or label (count reported); reject: fail naming the count.
+    # Classification only: the label values, in class-index order (the model's output i is classes[i]).
+    # Null learns the label set from the data (sorted; numbers numerically). When set, a row whose label is
+    # not listed is an invalid row (handled by invalid_rows, counted under the label column).
+    classes: Optional[list[str]] = Field(None, min_length=2, max_length=10_000)
+    # drop: remove rows with null/NaN/inf or non-numeric values in features or label, or a label outside
+    # data.classes (counts reported per column); reject: fail naming the column, the count and the fix.
     invalid_rows: Literal["drop", "reject"] = "drop"
     standardize: bool = True
     split: SplitConfig = Field(default_factory=SplitConfig)
     # Output directory of the shard set (default: workdir/shards/<name>).
-    shards_dir: Optional[str] = None
+    shards_dir: Optional[str] = Field(None, min_length=1)
     # CSV reader options (header, delimiter, ...).
     csv_options: dict[str, str] = Field(default_factory=lambda: {"header": "true"})
 
@@ -98,14 +126,39 @@ class DataConfig(_Section):
         if value is not None:
             if not value:
                 raise ValueError("must list at least one column, or be null for 'all but the label'")
+            if not all(value):
+                raise ValueError("column names must not be empty")
             if len(set(value)) != len(value):
                 raise ValueError("lists a column more than once")
+        return value
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _classes_as_text(cls, value: Any) -> Any:
+        # `data.classes=[0, 1, 2]` parses as integers; the classes are label values written as text.
+        if isinstance(value, list):
+            return [str(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
+        return value
+
+    @field_validator("classes")
+    @classmethod
+    def _classes_distinct(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        if value is not None:
+            if not all(value):
+                raise ValueError("class names must not be empty")
+            repeated = sorted({v for v in value if value.count(v) > 1})
+            if repeated:
+                raise ValueError(f"lists {repeated} more than once")
         return value
 
     @model_validator(mode="after")
     def _path_for_file_sources(self) -> "DataConfig":
         if self.source in ("csv", "parquet") and not self.path:
             raise ValueError(f"data.path is required when data.source is {self.source!r}")
+        if self.features is not None and self.label in self.features:
+            raise ValueError(f"data.features must not include the label column data.label={self.label!r}")
+        if self.classes is not None and self.task != "classification":
+            raise ValueError("data.classes is only for data.task=classification; remove it or set it to null")
         return self
 
 
@@ -160,11 +213,20 @@ class TrainConfig(_Section):
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    seed: int = 0
+    seed: int = Field(0, **_SEED)
     # Batches each worker's loader prepares ahead in a background thread.
     prefetch: int = Field(2, ge=0, le=64)
     # Lines of each worker's log kept for the driver's error report.
     log_tail_lines: int = Field(40, ge=0, le=10_000)
+    # Barrier attempts before giving up: after a failed attempt the driver keeps the PS and its state and
+    # runs the barrier job again; workers resume at the server's step (Spark never retries a barrier
+    # ResultStage itself).
+    max_attempts: int = Field(3, ge=1, le=100)
+    # Durable checkpoints (local path or any fsspec URL); default <workdir>/checkpoints/<name>.
+    checkpoint_dir: Optional[str] = None
+    # Checkpoint every N applied PS steps (0: only at the end); the newest keep_checkpoints are kept.
+    checkpoint_every: int = Field(200, ge=0)
+    keep_checkpoints: int = Field(3, ge=1, le=1000)
 
 
 class PSConfig(_Section):
@@ -183,19 +245,19 @@ class PSConfig(_Section):
     # listener and threads (all on the driver); workers talk to every shard concurrently.
     shards: int = Field(1, ge=1, le=64)
     # Address the PS binds to; null means spark.driver.host (never 0.0.0.0 unless set explicitly).
-    host: Optional[str] = None
+    host: Optional[str] = Field(None, min_length=1)
     # Deadline of every PS wait (a step's gradients from all workers, a pull, a connect).
     timeout_s: float = Field(120.0, gt=0)
 
 
 class TrackingConfig(_Section):
     # Null: $MLFLOW_TRACKING_URI, else an SQLite file under the workdir.
-    uri: Optional[str] = None
-    experiment: str = "shardline"
-    run_name: Optional[str] = None
+    uri: Optional[str] = Field(None, min_length=1)
+    experiment: str = Field("shardline", min_length=1)
+    run_name: Optional[str] = Field(None, min_length=1)
     log_model: bool = True
     # If set, the logged model is also registered under this name.
-    registered_model: Optional[str] = None
+    registered_model: Optional[str] = Field(None, min_length=1)
 
 
 class FaultsConfig(_Section):
@@ -204,6 +266,16 @@ class FaultsConfig(_Section):
     # Rank that raises InjectedFault once it reaches fail_step.
     fail_rank: Optional[int] = Field(None, ge=0)
     fail_step: int = Field(0, ge=0)
+    # Rank whose Python worker process SIGKILLs itself at kill_step (a crash with no goodbye).
+    kill_rank: Optional[int] = Field(None, ge=0)
+    kill_step: int = Field(0, ge=0)
+    # Rank that sleeps delay_ms before every step from delay_step on (a straggler, or a hung worker
+    # when delay_ms exceeds ps.timeout_s).
+    delay_rank: Optional[int] = Field(None, ge=0)
+    delay_ms: float = Field(0.0, ge=0)
+    delay_step: int = Field(0, ge=0)
+    # Faults fire in the first `attempts` barrier attempts only, so a driver retry can succeed.
+    attempts: int = Field(1, ge=1)
 
 
 class PipelineConfig(_Section):
@@ -211,7 +283,7 @@ class PipelineConfig(_Section):
 
     name: str = Field("shardline", pattern=r"^[A-Za-z0-9_.-]+$")
     # Working directory for raw data, shards, and the default MLflow store.
-    workdir: str = ".shardline"
+    workdir: str = Field(".shardline", min_length=1)
     spark: SparkConfig = Field(default_factory=SparkConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     shards: ShardsConfig = Field(default_factory=ShardsConfig)

@@ -128,7 +128,7 @@ class StreamingLoader:
         return self._arrow_chunks(epoch, stop)
 
     # -- batches ------------------------------------------------------------------------------------
-    def _batches(self, epoch: int, stop: threading.Event) -> Iterator[tuple]:
+    def _batches(self, epoch: int, stop: threading.Event, start_step: int = 0) -> Iterator[tuple]:
         """The epoch's batches. Rows leave the shuffle buffer in blocks (every row beyond its capacity at
         once: one vectorised random gather per row group, not one per batch) into an ordered row stream;
         batches are consecutive slices of that stream, handed to torch without copying."""
@@ -149,8 +149,9 @@ class StreamingLoader:
         streamed = 0  # rows in `stream`
         step, seen = 0, 0
 
-        def cut(size: int):
-            """The next `size` rows of the stream: a view of one block, or (straddling) a small concatenation."""
+        def cut(size: int, keep: bool = True):
+            """The next `size` rows of the stream: a view of one block, or (straddling) a small concatenation.
+            With keep=False the rows are only dropped (a resumed epoch skipping its applied steps)."""
             nonlocal streamed
             xs, ys, need = [], [], size
             while need:
@@ -164,6 +165,8 @@ class StreamingLoader:
                 ys.append(y)
                 need -= len(y)
             streamed -= size
+            if not keep:
+                return None
             x, y = (xs[0], ys[0]) if len(xs) == 1 else (np.concatenate(xs), np.concatenate(ys))
             x, y = torch.from_numpy(x), torch.from_numpy(y)
             return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
@@ -188,7 +191,10 @@ class StreamingLoader:
                     stream.append(block)
                     streamed += len(block[1])
                     while step < len(sizes) and streamed >= sizes[step]:
-                        yield cut(sizes[step])
+                        if step >= start_step:
+                            yield cut(sizes[step])
+                        else:
+                            cut(sizes[step], keep=False)
                         step += 1
             del features, labels
             self.peak_buffered_rows = max(self.peak_buffered_rows, buffer.peak_rows)
@@ -202,16 +208,25 @@ class StreamingLoader:
             stream.append(block)
             streamed += len(block[1])
         while step < len(sizes):
-            yield cut(sizes[step])
+            if step >= start_step:
+                yield cut(sizes[step])
+            else:
+                cut(sizes[step], keep=False)
             step += 1
 
-    def epoch(self, epoch: int) -> Iterator[tuple]:
-        """The batches of one epoch; with prefetch > 0 they are assembled in a background thread."""
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple]:
+        """The batches of one epoch; with prefetch > 0 they are assembled in a background thread.
+
+        start_step > 0 resumes an epoch: the first start_step batches are read and dropped (the shuffle is
+        seeded per epoch, so they are exactly the batches already trained on) and batch start_step comes
+        first."""
+        if not 0 <= start_step <= self.steps_per_epoch:
+            raise ValueError(f"start_step must be in [0, {self.steps_per_epoch}], got {start_step}")
         stop = threading.Event()
         if self.prefetch == 0:
-            yield from self._batches(epoch, stop)
+            yield from self._batches(epoch, stop, start_step)
             return
-        yield from _prefetched(lambda: self._batches(epoch, stop), self.prefetch, stop,
+        yield from _prefetched(lambda: self._batches(epoch, stop, start_step), self.prefetch, stop,
                                name=f"prefetch-rank{self.rank}-epoch{epoch}")
 
 

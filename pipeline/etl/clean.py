@@ -20,23 +20,39 @@ class CleanReport:
     invalid_rows: int = 0
     # Per column: values present in the input that are not numbers (after a cast attempt).
     non_numeric: dict[str, int] = field(default_factory=dict)
-    # Per column: null, NaN or infinite values (including the non-numeric ones).
+    # Per column: null, NaN or infinite values (including the non-numeric ones), and for the label column
+    # values outside data.classes.
     invalid_by_column: dict[str, int] = field(default_factory=dict)
+    # Rows whose label is not in data.classes (also counted in invalid_by_column[label]), with examples.
+    labels_not_in_classes: int = 0
+    label_examples_not_in_classes: list[str] = field(default_factory=list)
+
+
+def describe_input(data: DataConfig) -> str:
+    """Where the rows came from, for error messages: the path and the key that sets it."""
+    return f"data.path={data.path}" if data.path else f"the built-in {data.source} data"
 
 
 def feature_columns(columns: list[str], data: DataConfig, id_column: Optional[str]) -> list[str]:
+    where = describe_input(data)
+    if not columns:
+        raise DataError(f"the input ({where}) has no columns: the file is empty or has no header; "
+                        "point data.path at data with a header row (or set data.csv_options)")
     if data.features is not None:
-        missing = [c for c in data.features + [data.label] if c not in columns]
+        missing = [c for c in data.features if c not in columns]
         if missing:
-            raise DataError(f"column(s) {missing} named in data.features/data.label are not in the input "
-                            f"(columns present: {columns}); fix data.features or data.label")
-        return list(data.features)
+            raise DataError(f"feature column(s) {missing} named in data.features are not in the input ({where}; "
+                            f"columns present: {columns}); fix data.features, or null it to use every column")
     if data.label not in columns:
-        raise DataError(f"label column {data.label!r} (data.label) is not in the input; columns present: {columns}")
+        raise DataError(f"label column {data.label!r} (data.label) is not in the input ({where}; columns present: "
+                        f"{columns}); set data.label to the label column")
+    if data.features is not None:
+        return list(data.features)
     excluded = {data.label, id_column}
     features = [c for c in columns if c not in excluded]
     if not features:
-        raise DataError(f"no feature columns left after removing the label {data.label!r}; set data.features")
+        raise DataError(f"no feature columns left in {where} after removing the label {data.label!r}"
+                        f"{' and the id column ' + repr(id_column) if id_column else ''}; set data.features")
     return features
 
 
@@ -87,24 +103,58 @@ def cast_with_flags(df, features: list[str], data: DataConfig) -> CastFrame:
 
 
 def clean_report(frame: CastFrame, data: DataConfig, rows: int, bad_rows: int,
-                 bad_by_column: list[int], nonnum_by_column: list[int]) -> CleanReport:
+                 bad_by_column: list[int], nonnum_by_column: list[int], unknown_labels: int = 0,
+                 unknown_label_examples: Optional[list[str]] = None) -> CleanReport:
     """Judge the profiled counts: a clear error for empty, all-invalid or (with reject) any invalid input."""
-    report = CleanReport(input_rows=rows, invalid_rows=bad_rows, output_rows=rows - bad_rows)
+    report = CleanReport(input_rows=rows, invalid_rows=bad_rows, output_rows=rows - bad_rows,
+                         labels_not_in_classes=unknown_labels,
+                         label_examples_not_in_classes=list(unknown_label_examples or []))
     report.invalid_by_column = {c: n for c, n in zip(frame.checked_columns, bad_by_column) if n}
     report.non_numeric = {c: n for c, n in zip(frame.text_columns, nonnum_by_column) if n}
+    where = describe_input(data)
     if report.input_rows == 0:
-        raise DataError(f"the input of data.source={data.source} ({data.path or 'built-in'}) has no rows")
+        raise DataError(f"the input ({where}, data.source={data.source}) has no rows; "
+                        "point data.path at a file or folder that holds data")
+    unknown = ""
+    if unknown_labels:
+        unknown = (f"; {unknown_labels} label(s) in column {data.label!r} are not in data.classes {data.classes}, "
+                   f"e.g. {report.label_examples_not_in_classes}")
+    what = "null/NaN/inf or non-numeric values" + (" or a label outside data.classes" if data.classes else "")
     if report.invalid_rows and data.invalid_rows == "reject":
+        fix = "fix the input" + (", add the missing labels to data.classes" if unknown_labels else "")
         raise DataError(
-            f"{report.invalid_rows} of {report.input_rows} rows have null/NaN/inf or non-numeric values "
-            f"(by column: {report.invalid_by_column}; non-numeric: {report.non_numeric or 'none'}); "
-            "fix the input or set data.invalid_rows=drop")
+            f"{report.invalid_rows} of {report.input_rows} rows in {where} have {what} "
+            f"(by column: {report.invalid_by_column}; non-numeric: {report.non_numeric or 'none'}{unknown}); "
+            f"{fix} or set data.invalid_rows=drop to drop them")
     if report.output_rows == 0:
-        raise DataError(f"all {report.input_rows} input rows are invalid (by column: {report.invalid_by_column})")
+        raise DataError(f"all {report.input_rows} input rows in {where} are invalid: {what} "
+                        f"(by column: {report.invalid_by_column}; non-numeric: {report.non_numeric or 'none'}"
+                        f"{unknown}); fix the input, data.features/data.label or data.classes")
     if report.invalid_rows:
-        log.warning("dropped %d of %d rows with null/NaN/inf or non-numeric values (by column: %s)",
-                    report.invalid_rows, report.input_rows, report.invalid_by_column)
+        log.warning("dropped %d of %d rows with %s (by column: %s; non-numeric: %s%s)", report.invalid_rows,
+                    report.input_rows, what, report.invalid_by_column, report.non_numeric or "none", unknown)
     return report
+
+
+def configured_classes(classes: list[str], label_col: str, label_type: str, numeric: bool) -> list[str]:
+    """data.classes as the values the label column holds: text as given, or integers for a numeric label."""
+    if not numeric:
+        return list(classes)
+    normalized = []
+    for value in classes:
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not number.is_integer():
+            raise DataError(f"data.classes lists {value!r}, but label column {label_col!r} is numeric ({label_type}); "
+                            "list the classes as integers (e.g. data.classes=[0, 1, 2])")
+        normalized.append(str(int(number)))
+    repeated = sorted({v for v in normalized if normalized.count(v) > 1})
+    if repeated:
+        raise DataError(f"data.classes lists the label value(s) {repeated} more than once (as numbers, for the "
+                        f"numeric label column {label_col!r}); list each class once")
+    return normalized
 
 
 def label_mapping(values: list[str], truncated: bool, label_col: str, numeric: bool) -> list[str]:

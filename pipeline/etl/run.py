@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.config.schema import PipelineConfig
 from pipeline.etl.clean import (
-    MAX_CLASSES, NONNUM_FLAGS, CastFrame, CleanReport, cast_with_flags, clean_report, feature_columns,
-    label_mapping)
+    MAX_CLASSES, NONNUM_FLAGS, CastFrame, CleanReport, cast_with_flags, clean_report, configured_classes,
+    describe_input, feature_columns, label_mapping)
 from pipeline.etl.sources import DIGITS_ID, read_source
 from pipeline.etl.synthetic import SYNTHETIC_ID
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
@@ -49,22 +51,71 @@ class Profile:
     label_values_truncated: bool
 
 
-def profile(frame: CastFrame, features: list[str], data) -> Profile:
+_READ_FAILURE = re.compile(r"Encountered error while reading file (\S+?)\.?(?:\s|$)")
+_CAUSE = re.compile(r"^Caused by: (?:[\w.$]+(?:Exception|Error)): (.+)$", re.MULTILINE)
+
+
+def read_failure(exc: BaseException, data) -> DataError | None:
+    """A Spark job that failed reading one input file (corrupt Parquet, a column of another type, a CSV
+    header that differs) as a DataError naming the file, Spark's reason and the fix; None for others."""
+    text = str(exc)
+    found = _READ_FAILURE.search(text)
+    if not found:
+        return None
+    path = found.group(1)
+    path = path[len("file://"):] if path.startswith("file:///") else path.removeprefix("file:")
+    line = text[found.end():].split("\n", 1)[0]
+    reason = line.split("SQLSTATE")[0].strip()
+    cause = _CAUSE.search(text, found.end())
+    if cause:
+        # The root cause's message, with its continuation lines (a CSV header mismatch spans several).
+        lines = [cause.group(1).strip()]
+        for more in text[cause.end():].split("\n")[1:5]:
+            if not more.strip() or more.startswith(("\t", "Caused by")) or more.lstrip().startswith(("at ", "...")):
+                break
+            lines.append(more.strip())
+        reason = f"{reason} {' '.join(lines)}".strip()
+    return DataError(f"cannot read input file {path} ({describe_input(data)}, data.source={data.source}): "
+                     f"{reason or 'Spark could not read it'}; the file is corrupt or its schema differs from "
+                     "the other files: replace or remove it and re-run the ETL")
+
+
+@contextmanager
+def input_errors(data):
+    """Turn a Spark failure to read an input file into a DataError naming the file."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as exc:
+        error = read_failure(exc, data)
+        if error is None:
+            raise
+        raise error from None
+
+
+def profile(frame: CastFrame, features: list[str], data, label_values: list[str] | None = None,
+            numeric_labels: bool = False) -> Profile:
     """One read of the source, summarized per partition by a vectorized Arrow UDF, merged here."""
     import numpy as np
 
-    from udfs.profile import SPLITS as PROFILE_SPLITS, make_profile_fn, merge_moments, output_schema_ddl
+    from udfs.profile import (MAX_LABEL_EXAMPLES, SPLITS as PROFILE_SPLITS, make_profile_fn, merge_moments,
+                              output_schema_ddl)
 
     others = [c for c in frame.checked_columns if c not in frame.cast_columns]
     fn = make_profile_fn(features, data.label, SPLIT_COLUMN, frame.cast_columns, others,
                          NONNUM_FLAGS if frame.text_columns else None, len(frame.text_columns), MAX_CLASSES,
-                         collect_labels=data.task == "classification")
-    rows = sorted(frame.df.mapInArrow(fn, output_schema_ddl()).collect(), key=lambda r: r["pid"])
+                         collect_labels=data.task == "classification" and label_values is None,
+                         label_values=label_values, numeric_labels=numeric_labels)
+    with input_errors(data):
+        rows = sorted(frame.df.mapInArrow(fn, output_schema_ddl()).collect(), key=lambda r: r["pid"])
     input_rows = sum(r["rows"] for r in rows)
     bad = np.sum([r["bad"] for r in rows], axis=0, dtype=np.int64) if rows else []
     nonnum = np.sum([r["nonnum"] for r in rows], axis=0, dtype=np.int64) if rows else []
+    examples = sorted({v for r in rows for v in r["unknown_label_examples"]})[:MAX_LABEL_EXAMPLES]
     report = clean_report(frame, data, input_rows, sum(r["bad_rows"] for r in rows),
-                          [int(v) for v in bad], [int(v) for v in nonnum])
+                          [int(v) for v in bad], [int(v) for v in nonnum],
+                          sum(r["unknown_labels"] for r in rows), examples)
     split_rows: dict[str, dict[int, int]] = {s: {} for s in SPLITS}
     offsets: dict[str, dict[int, int]] = {s: {} for s in SPLITS}
     totals = dict.fromkeys(SPLITS, 0)
@@ -101,25 +152,36 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
     raw = read_source(spark, data, cfg.workdir)
     id_column = data.id_column or {"digits": DIGITS_ID, "synthetic": SYNTHETIC_ID}.get(data.source)
     if id_column and id_column not in raw.columns:
-        raise DataError(f"id column {id_column!r} (data.id_column) is not in the input; columns: {raw.columns}")
+        raise DataError(f"id column {id_column!r} (data.id_column) is not in the input ({describe_input(data)}; "
+                        f"columns present: {raw.columns}); set data.id_column to the column that identifies a "
+                        "row, or to null to hash each row's values")
     features = feature_columns(raw.columns, data, id_column)
     selected = raw.select(*dict.fromkeys(([id_column] if id_column else []) + features + [data.label]))
+    numeric_labels = data.task == "classification" and isinstance(selected.schema[data.label].dataType, NumericType)
+    # data.classes: the label set and its order are configured; rows with other labels are invalid rows.
+    classes = None if data.classes is None else configured_classes(
+        data.classes, data.label, selected.schema[data.label].dataType.simpleString(), numeric_labels)
     frame = cast_with_flags(selected, features, data)
     frame = dataclasses.replace(frame, df=assign_split(
         frame.df, [id_column] if id_column else features + [data.label], data.split))
-    prof = profile(frame, features, data)
+    prof = profile(frame, features, data, classes, numeric_labels)
     log.info("profile pass: %d rows in %.1fs", prof.report.input_rows, time.perf_counter() - started)
     report, totals = prof.report, prof.totals
 
-    labels, numeric_labels = None, False
+    labels = None
     if data.task == "classification":
-        numeric_labels = isinstance(selected.schema[data.label].dataType, NumericType)
-        labels = label_mapping(prof.labels, prof.label_values_truncated, data.label, numeric_labels)
+        labels = classes if classes is not None else label_mapping(
+            prof.labels, prof.label_values_truncated, data.label, numeric_labels)
 
-    workers = cfg.parallelism.data
-    if totals["train"] < workers:
-        raise DataError(f"the train split has {totals['train']} rows, fewer than parallelism.data={workers} "
-                        "workers; use fewer workers or more data")
+    workers, batch_size = cfg.parallelism.data, cfg.train.batch_size
+    if totals["train"] < workers * batch_size:
+        # Checked before anything is written: every worker needs one full batch per step.
+        raise DataError(
+            f"the train split has {totals['train']} rows ({report.output_rows} valid of {report.input_rows} "
+            f"input rows in {describe_input(data)}, data.split.train={data.split.train}), fewer than one batch "
+            f"per worker: parallelism.data={workers} workers x train.batch_size={batch_size} = "
+            f"{workers * batch_size} rows; use fewer workers (parallelism.data), a smaller train.batch_size, "
+            "or more data")
     for name in ("validation", "test"):
         if totals[name] == 0 and getattr(data.split, name) > 0:
             raise DataError(f"the {name} split is empty ({report.output_rows} valid rows); "
@@ -131,14 +193,17 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
     pack = make_pack_fn(features, data.label, SPLIT_COLUMN, means if data.standardize else None,
                         stds if data.standardize else None, prof.offsets, prof.split_rows, num_shards,
                         labels, numeric_labels, frame.cast_columns,
-                        [c for c in frame.checked_columns if c not in frame.cast_columns])
+                        [c for c in frame.checked_columns if c not in frame.cast_columns],
+                        restrict_labels=classes is not None)
     etl_report = {**asdict(report), "split_rows": totals, "source": data.source, "path": data.path}
-    manifest = write_shards(
-        frame.df, pack, shards_dir(cfg), num_shards=num_shards, name=cfg.name, task=data.task,
-        feature_columns=features, label_column=data.label, label_mapping=labels,
-        standardized=data.standardize, means=means, stds=stds, etl_report=etl_report,
-        rows_per_row_group=cfg.shards.rows_per_row_group,
-        rows_per_file=rows_per_file(cfg.shards.target_file_mb, len(features)))
+    with input_errors(data):
+        manifest = write_shards(
+            frame.df, pack, shards_dir(cfg), num_shards=num_shards, name=cfg.name, task=data.task,
+            feature_columns=features, label_column=data.label,
+            label_mapping=list(data.classes) if classes is not None else labels,
+            standardized=data.standardize, means=means, stds=stds, etl_report=etl_report,
+            rows_per_row_group=cfg.shards.rows_per_row_group,
+            rows_per_file=rows_per_file(cfg.shards.target_file_mb, len(features)))
     for split, info in manifest.splits.items():
         if info.rows != totals[split]:
             raise DataError(f"internal: wrote {info.rows} {split} rows but profiled {totals[split]}; please report this")

@@ -26,6 +26,8 @@ class EpochProgress:
         if "epoch" not in metrics:
             return
         with self._lock:
+            if any(row["epoch"] == int(metrics["epoch"]) for row in self.history):
+                return  # already complete (a resumed attempt never repeats it; be safe anyway)
             reports = self._pending.setdefault(int(metrics["epoch"]), {})
             reports[rank] = metrics
             if len(reports) < self.world_size:
@@ -38,6 +40,11 @@ class EpochProgress:
                  f" | val acc {row['val_accuracy']:.4f}" if "val_accuracy" in row else "")
         if self._on_epoch is not None:
             self._on_epoch(row)
+
+    def restore(self, history: list[dict]) -> None:
+        """Start from the epochs a checkpoint recorded (a resumed run)."""
+        with self._lock:
+            self.history = [dict(row) for row in history]
 
     @staticmethod
     def _summarize(epoch: int, reports: dict[int, dict]) -> dict:

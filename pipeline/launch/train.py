@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import WorkerFailure, WorkerTrainingFailedError
+from pipeline.errors import ConfigError, WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.preflight import check_barrier_slots
 from pipeline.launch.progress import EpochProgress, StepProgress
 from pipeline.launch.task import RESULT_SCHEMA, make_task_fn
@@ -35,6 +35,9 @@ class TrainResult:
     steps: int
     seconds: float
     ps_stats: dict = field(default_factory=dict)
+    # One entry per failed barrier attempt that was retried: attempt, root-cause ranks, error, step.
+    failed_attempts: list[dict] = field(default_factory=list)
+    resumed_from_step: Optional[int] = None
 
     def model(self):
         """The merged model: a fresh module holding the PS's final parameters."""
@@ -57,16 +60,17 @@ def _ps_host(spark, cfg: PipelineConfig) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def _plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, generation: int) -> list[dict]:
+def _plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, generation: int,
+           attempt: int) -> list[dict]:
     has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
     validation = tuple(manifest.files("validation")) if has_validation else ()
-    faults = {"fail_rank": cfg.faults.fail_rank, "fail_step": cfg.faults.fail_step}
+    faults = cfg.faults.model_dump(exclude={"attempts"}) if attempt <= cfg.faults.attempts else {}
 
     def extra(rank: int) -> dict:
         loader = {"row_group_rows": manifest.row_group_rows("train", rank), "reader": cfg.data.reader,
                   "shuffle": cfg.data.shuffle, "shuffle_buffer_rows": cfg.data.shuffle_buffer_rows,
                   "reader_threads": cfg.data.reader_threads}
-        return {**faults, "loader": loader}
+        return {"faults": faults, "loader": loader}
 
     return [
         WorkerPlan(
@@ -100,11 +104,24 @@ def _spark_error_summary(exc: BaseException) -> str:
     return " ".join(text[:3])[:1000] if text else type(exc).__name__
 
 
+def checkpoint_dir(cfg: PipelineConfig) -> str:
+    import os
+
+    return cfg.train.checkpoint_dir or os.path.join(os.path.abspath(cfg.workdir), "checkpoints", cfg.name)
+
+
 def train(spark, cfg: PipelineConfig, manifest: Manifest,
-          on_epoch: Optional[Callable[[dict], None]] = None) -> TrainResult:
-    """Train on the shard set with `cfg.parallelism.data` barrier workers synchronized by a driver PS."""
+          on_epoch: Optional[Callable[[dict], None]] = None, *, resume: bool = False,
+          checkpoint_extra: Optional[dict] = None) -> TrainResult:
+    """Train on the shard set with `cfg.parallelism.data` barrier workers synchronized by a driver PS.
+
+    A failed barrier attempt is retried (up to train.max_attempts) against the same PS, whose state
+    survives; checkpoints go to train.checkpoint_dir. resume=True starts from the newest checkpoint
+    there instead of from scratch. checkpoint_extra (plain values) is stored in every checkpoint.
+    """
     import torch
 
+    from pipeline.checkpoints import CheckpointStore, check_compatible
     from pipeline.ps import ParameterServer, new_secret
     from pipeline.ps.modes import expected_version
 
@@ -113,10 +130,18 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     steps = steps_per_epoch(manifest, workers, cfg.train.batch_size)
     spec = model_spec(cfg.model, num_features=manifest.num_features, num_classes=manifest.num_classes,
                       task=manifest.task)
+    store = CheckpointStore(checkpoint_dir(cfg), cfg.train.keep_checkpoints)
+    resumed = None
+    if resume:
+        latest = store.latest()
+        if latest is None:
+            raise ConfigError(f"--resume: no checkpoint in {store.directory} (train.checkpoint_dir); "
+                              "start without --resume")
+        resumed = store.load(latest)
+        check_compatible(resumed, latest.path, fingerprint=manifest.fingerprint, model=spec.to_dict(),
+                         world_size=workers, mode=cfg.ps.mode, steps_per_epoch=steps)
     torch.manual_seed(cfg.train.seed)  # every worker starts from the server's copy of this initialization
     initial = flat_parameters(build_model(spec))
-    generation = 1
-    plans = _plans(cfg, manifest, spec, steps, generation)
     consistency = _consistency(cfg)
     expected = expected_version(consistency, steps * cfg.train.epochs, workers)
     bar = StepProgress(lambda: server.version, expected)
@@ -127,51 +152,142 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
             on_epoch(row)
 
     progress = EpochProgress(workers, cfg.train.epochs, epoch_done)
-    secret = new_secret()
     host = _ps_host(spark, cfg)
-    tag = f"shardline-train-{uuid.uuid4().hex[:12]}"
     started = time.perf_counter()
     log.info("training %s: %d workers x %d steps/epoch x %d epochs, %d parameters, PS on %s",
              cfg.name, workers, steps, cfg.train.epochs, initial.numel(), host)
+    secret = new_secret()
     with ParameterServer(initial, world_size=workers, secret=secret, optimizer=_optimizer(cfg), host=host,
-                         timeout_s=cfg.ps.timeout_s, generation=generation, on_metrics=progress,
+                         timeout_s=cfg.ps.timeout_s, generation=1, on_metrics=progress,
                          consistency=consistency, compression=cfg.ps.compression,
                          topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards) as server:
-        ps_host, ps_port = server.address
-        task_fn = make_task_fn(plans, ps_host, ps_port, secret, cfg.train.log_tail_lines)
-        ranks_df = spark.range(0, workers, 1, workers)
-        watchdog = StageWatchdog(server, workers, connect_timeout_s=cfg.ps.timeout_s, grace_s=cfg.ps.timeout_s,
-                                 cancel=lambda reason: _interrupt(spark, tag))
-        spark.addTag(tag)
-        try:
-            with watchdog, bar:
-                rows = [r.asDict() for r in ranks_df.mapInArrow(task_fn, RESULT_SCHEMA, barrier=True).collect()]
-        except BaseException as exc:
-            server.fail(f"the Spark barrier job failed: {_spark_error_summary(exc)}")
-            _interrupt(spark, tag)
-            unknown = WorkerFailure(-1, watchdog.reason or "the barrier stage failed before any rank reported "
-                                                           "(see the Spark error)")
-            failures = server.root_failures or dict(server.failures) or {-1: unknown}
-            raise WorkerTrainingFailedError(failures, cause=watchdog.reason or _spark_error_summary(exc)) from exc
-        finally:
-            spark.removeTag(tag)
-        failed = [r for r in rows if not r["ok"]]
-        if failed:
-            root_causes = set(server.root_failures)
-            primary = [r for r in failed if r["rank"] in root_causes] or failed
-            raise WorkerTrainingFailedError(
-                {r["rank"]: WorkerFailure(r["rank"], r["error"], r["log_tail"] or "") for r in primary},
-                stopped={r["rank"]: r["error"] for r in failed if r not in primary})
-        parameters = server.parameters()
-        version = server.version
-        stats = dict(server.stats)
+        if resumed is not None:
+            server.load_state_dict(resumed["ps"])
+            progress.restore(resumed["history"])
+            log.info("resuming from checkpoint %s at step %d of %d", latest.path, server.version, expected)
+
+        def snapshot() -> dict:
+            return {"step": server.version, "ps": server.state_dict(), "fingerprint": manifest.fingerprint,
+                    "model": spec.to_dict(), "world_size": workers, "mode": cfg.ps.mode,
+                    "steps_per_epoch": steps, "epochs": cfg.train.epochs, "seed": cfg.train.seed,
+                    "history": [dict(row) for row in progress.history], "extra": dict(checkpoint_extra or {})}
+
+        with Checkpointer(store, snapshot, lambda: server.version, cfg.train.checkpoint_every) as checkpointer:
+            failed_attempts: list[dict] = []
+            rows = _attempts(spark, cfg, server, secret, manifest, spec, steps, bar, checkpointer, failed_attempts)
+            parameters = server.parameters()
+            version = server.version
+            stats = dict(server.stats)
+            checkpointer.save("end of training")
     seconds = time.perf_counter() - started
     if version != expected:
         raise WorkerTrainingFailedError({}, cause=f"the PS applied {version} steps, expected {expected}")
     log.info("training done: %d steps in %.1fs; ranks ran in %s", version, seconds,
              ", ".join(f"{r['rank']}@{r['process']}" for r in sorted(rows, key=lambda r: r["rank"])))
     return TrainResult(spec=spec, parameters=parameters, history=progress.history, ranks=sorted(rows, key=lambda r: r["rank"]),
-                       steps=version, seconds=seconds, ps_stats=stats)
+                       steps=version, seconds=seconds, ps_stats=stats, failed_attempts=failed_attempts,
+                       resumed_from_step=None if resumed is None else int(resumed["step"]))
+
+
+def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manifest, spec: ModelSpec, steps: int, bar,
+              checkpointer: "Checkpointer", failed_attempts: list[dict]) -> list[dict]:
+    """Run barrier attempts until one succeeds or train.max_attempts are spent; return its rows."""
+    attempt = 1
+    while True:
+        plans = _plans(cfg, manifest, spec, steps, server.generation, attempt)
+        try:
+            return _run_attempt(spark, cfg, server, secret, plans, bar, attempt)
+        except WorkerTrainingFailedError as failure:
+            failure.attempt = attempt
+            if attempt >= cfg.train.max_attempts:
+                failure.cause = (f"{failure.cause + '; ' if failure.cause else ''}gave up after {attempt} "
+                                 f"attempt(s) (train.max_attempts={cfg.train.max_attempts})")
+                raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped) from failure
+            failed_attempts.append({"attempt": attempt, "ranks": sorted(failure.failures), "step": server.version,
+                                    "error": str(failure)[:4000]})
+            log.warning("attempt %d of %d failed; retrying from step %d with the PS state kept\n%s", attempt,
+                        cfg.train.max_attempts, server.version, failure)
+            checkpointer.save(f"after failed attempt {attempt}")
+            server.new_generation()
+            attempt += 1
+
+
+def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[dict], bar, attempt: int) -> list[dict]:
+    """One barrier job; raises WorkerTrainingFailedError naming the root-cause rank(s)."""
+    workers = cfg.parallelism.data
+    ps_host, ps_port = server.address
+    task_fn = make_task_fn(plans, ps_host, ps_port, secret, cfg.train.log_tail_lines)
+    ranks_df = spark.range(0, workers, 1, workers)
+    tag = f"shardline-train-{uuid.uuid4().hex[:12]}"
+    watchdog = StageWatchdog(server, workers, connect_timeout_s=cfg.ps.timeout_s, grace_s=cfg.ps.timeout_s,
+                             cancel=lambda reason: _interrupt(spark, tag))
+    log.info("barrier attempt %d (generation %d) from step %d", attempt, server.generation, server.version)
+    spark.addTag(tag)
+    try:
+        with watchdog, bar:
+            rows = [r.asDict() for r in ranks_df.mapInArrow(task_fn, RESULT_SCHEMA, barrier=True).collect()]
+    except BaseException as exc:
+        server.fail(f"the Spark barrier job failed: {_spark_error_summary(exc)}")
+        _interrupt(spark, tag)
+        if not isinstance(exc, Exception):  # KeyboardInterrupt & co: stop, do not retry
+            raise
+        unknown = WorkerFailure(-1, watchdog.reason or "the barrier stage failed before any rank reported "
+                                                       "(see the Spark error)")
+        failures = server.root_failures or dict(server.failures) or {-1: unknown}
+        raise WorkerTrainingFailedError(failures, attempt, cause=watchdog.reason or _spark_error_summary(exc)) from exc
+    finally:
+        spark.removeTag(tag)
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        root_causes = set(server.root_failures)
+        primary = [r for r in failed if r["rank"] in root_causes] or failed
+        raise WorkerTrainingFailedError(
+            {r["rank"]: WorkerFailure(r["rank"], r["error"], r["log_tail"] or "") for r in primary}, attempt,
+            stopped={r["rank"]: r["error"] for r in failed if r not in primary})
+    return rows
+
+
+class Checkpointer:
+    """Saves a snapshot every `every` applied steps from a background thread, and on request."""
+
+    def __init__(self, store, snapshot: Callable[[], dict], version: Callable[[], int], every: int,
+                 poll_s: float = 0.1):
+        import threading
+
+        self._store, self._snapshot, self._version, self._every = store, snapshot, version, every
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last = version()
+        self._thread = threading.Thread(target=self._watch, name="shardline-checkpointer", daemon=True)
+        self.saved: list[int] = []
+
+    def __enter__(self) -> "Checkpointer":
+        if self._every:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def save(self, why: str) -> None:
+        """Best effort: a failing checkpoint write is logged, never allowed to stop training."""
+        with self._lock:
+            try:
+                state = self._snapshot()
+                info = self._store.save(state)
+                self._last = state["step"]
+                self.saved.append(state["step"])
+                log.info("checkpoint at step %d (%s): %s", state["step"], why, info.path)
+            except Exception:
+                log.warning("could not write a checkpoint (%s) to %s", why, self._store.directory, exc_info=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            if self._version() - self._last >= self._every:
+                self.save(f"every {self._every} steps")
 
 
 def _interrupt(spark, tag: str) -> None:

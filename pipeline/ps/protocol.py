@@ -405,11 +405,18 @@ def encode_json(obj: dict[str, Any]) -> bytes:
 
 
 def decode_json(data: bytes, msg_type: MsgType) -> dict[str, Any]:
-    """Parse a JSON object payload; anything else is a protocol error."""
+    """Parse a JSON object payload; anything else is a protocol error.
+
+    Deeply nested JSON (``[[[[...``, a few kB suffice) makes the parser raise RecursionError, which is
+    no ValueError: uncaught, it escaped the server's per-connection error handling, so the rank was
+    neither told why nor recorded as failed. It is a protocol error like any other malformed payload.
+    """
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"{msg_type.name} payload is not valid UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"{msg_type.name} payload nests JSON too deeply") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{msg_type.name} payload must be a JSON object, got {type(obj).__name__}")
     return obj

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -254,17 +255,30 @@ class ParameterServer:
         return merged
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """Parameters, optimizer state and version. With K shards, per-parameter optimizer tensors are
-        concatenated in parameter order, so a checkpoint does not depend on ``ps.shards``."""
-        states = [s.state_dict() for s in self._shards]
+        concatenated in parameter order, so a checkpoint does not depend on ``ps.shards``.
+
+        Shards step independently, so in sync/average mode a snapshot is retaken until every shard is
+        at the same version (a step half-applied across shards is not a state any run had)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [s.state_dict() for s in self._shards]
+            versions = {st["version"] for st in states}
+            if len(versions) == 1 or self.consistency.mode not in ("sync", "average"):
+                break
+            if time.monotonic() > deadline:
+                raise PSError(f"could not take a consistent snapshot: shards stayed at versions "
+                              f"{sorted(versions)} for {timeout_s:g}s")
+            time.sleep(0.005)
         if len(states) == 1:
             return states[0]
         return {"version": min(st["version"] for st in states),
                 "params": torch.cat([st["params"] for st in states]),
                 "optimizer": _merge_optimizer_states([st["optimizer"] for st in states],
                                                      [end - start for start, end in self._ranges]),
-                "optimizer_spec": states[0]["optimizer_spec"]}
+                "optimizer_spec": states[0]["optimizer_spec"], "clocks": states[0]["clocks"],
+                "steps_applied_by_rank": states[0]["steps_applied_by_rank"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(self._shards) == 1:

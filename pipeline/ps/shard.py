@@ -67,6 +67,7 @@ from pipeline.ps.protocol import (
 logger = logging.getLogger(__name__)
 
 TIMEOUT_KEY = "ps.timeout_s"
+HANDSHAKE_S = 10.0  # longest wait for a new connection's AUTH
 _CLOSE_GRACE_S = 1.0  # how long close() lets woken waiters deliver their ERROR frames
 _JOIN_DEADLINE_S = 2.0
 _ACCEPT_POLL_S = 0.25
@@ -91,6 +92,11 @@ class _Stats:
     bytes_received: int = 0
     bytes_sent: int = 0
     pushes_applied: int = 0
+    # (rank, step) contributions actually applied, per rank: a step cut by new_generation() before every
+    # rank pushed is discarded and redone by the next attempt, so it is counted there, once.
+    steps_applied_by_rank: dict[int, int] = field(default_factory=dict)
+    discarded_pushes: int = 0  # pushes of steps that a new generation cut before they were complete
+    generations: int = 1
     rejected_connections: int = 0
     protocol_errors: int = 0
     last_step_by_rank: dict[int, int] = field(default_factory=dict)
@@ -339,8 +345,13 @@ class ShardServer:
             self._consequences.clear()
             self._finished.clear()
             self._registered.clear()
+            self._stats.discarded_pushes += len(self._pushed) + sum(len(p) for p in self._clock_pushed.values())
+            self._stats.generations += 1
             self._pushed.clear()
-            self._clock.clear()
+            if self._consistency.mode != "async":
+                # ssp restarts every rank at the version; async pushes were applied one by one, so each
+                # rank resumes at its own clock (its data position).
+                self._clock.clear()
             self._clock_pushed.clear()
             for buf in self._clock_sums:
                 buf.zero_()
@@ -424,6 +435,9 @@ class ShardServer:
                 "bytes_received": s.bytes_received + sum(c.bytes_received for c in live),
                 "bytes_sent": s.bytes_sent + sum(c.bytes_sent for c in live),
                 "pushes_applied": s.pushes_applied,
+                "steps_applied_by_rank": dict(s.steps_applied_by_rank),
+                "discarded_pushes": s.discarded_pushes,
+                "generations": s.generations,
                 "rejected_connections": s.rejected_connections,
                 "protocol_errors": s.protocol_errors,
                 "last_step_by_rank": dict(s.last_step_by_rank),
@@ -447,6 +461,9 @@ class ShardServer:
                 "params": self._flat.detach().clone(),
                 "optimizer": copy.deepcopy(self._optimizer.state_dict()),
                 "optimizer_spec": dataclasses.asdict(self._optimizer_spec),
+                # async: each rank's next step (its data position); the counters prove at-most-once.
+                "clocks": dict(self._clock) if self._consistency.mode == "async" else {},
+                "steps_applied_by_rank": dict(self._stats.steps_applied_by_rank),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -476,6 +493,10 @@ class ShardServer:
             else:
                 group["betas"] = tuple(spec.betas)
             self._version = int(state["version"])
+            if self._consistency.mode == "async":
+                self._clock = {int(r): int(c) for r, c in dict(state.get("clocks") or {}).items()}
+            self._stats.steps_applied_by_rank = {
+                int(r): int(n) for r, n in dict(state.get("steps_applied_by_rank") or {}).items()}
             self._cond.notify_all()
 
     # -- accepting -------------------------------------------------------------------------------
@@ -559,16 +580,19 @@ class ShardServer:
         with self._cond:
             generation = self._generation
         nonce = secrets.token_bytes(NONCE_SIZE)
-        deadline = deadline_after(self._timeout_s)
+        # An honest worker answers CHALLENGE at once; unauthenticated sockets count against the connection
+        # cap, so silent ones must not hold slots for the whole ps.timeout_s.
+        handshake_s = min(self._timeout_s, HANDSHAKE_S)
+        deadline = deadline_after(handshake_s)
         try:
             channel.send_bytes(MsgType.CHALLENGE, nonce, generation=generation, rank=0,
-                               timeout=self._timeout_s)
+                               timeout=handshake_s)
             header = channel.recv_header(deadline)
             if header.type is not MsgType.AUTH:
                 raise ProtocolError(f"expected AUTH, got {header.type.name}")
             mac = channel.recv_bytes(header, deadline)
         except TimeoutError:
-            self._reject(channel, peer, f"no AUTH within {self._timeout_s:g}s ({TIMEOUT_KEY})")
+            self._reject(channel, peer, f"no AUTH within {handshake_s:g}s of connecting")
             return None
         except (PSError, OSError) as exc:
             self._reject(channel, peer, f"handshake failed: {exc}")
@@ -775,6 +799,9 @@ class ShardServer:
         """sync/average: apply the complete step and let the next one start. The sum is not zeroed
         afterwards: the next step's first push overwrites it (``Contribution.start_sum``)."""
         if self._step_locked(self._grad_sum, self._world_size, zero=False):
+            applied = self._stats.steps_applied_by_rank
+            for rank in self._pushed:
+                applied[rank] = applied.get(rank, 0) + 1
             self._pushed.clear()
 
     def _step_locked(self, grad_sum: torch.Tensor, divisor: int, zero: bool = True) -> bool:
@@ -855,6 +882,7 @@ class ShardServer:
             staleness = base - conn.pulled_version
             s = self._stats
             s.pushes_applied += 1
+            s.steps_applied_by_rank[conn.rank] = s.steps_applied_by_rank.get(conn.rank, 0) + 1
             s.last_step_by_rank[conn.rank] = step
             s.staleness_max = max(s.staleness_max, staleness)
             s.staleness_sum += staleness

@@ -18,9 +18,14 @@ def steps_per_epoch(manifest: Manifest, world_size: int, batch_size: int) -> int
         raise DataError(f"the shard set at {manifest.root} has {len(train.shards)} train shards but "
                         f"parallelism.data={world_size}; re-run `shardline etl` with the same parallelism.data")
     smallest = min(s.rows for s in train.shards)
-    if smallest == 0:
-        raise DataError(f"train shard(s) of {manifest.root} are empty ({train.rows} train rows for {world_size} "
-                        "workers); use fewer workers (parallelism.data) or more data")
+    if smallest < batch_size:
+        # Every worker needs one full batch per step; the ETL checks this too, but an older shard set (or
+        # a larger batch_size than the ETL ran with) can still fall short.
+        raise DataError(
+            f"the shard set at {manifest.root} has {train.rows} train rows for {world_size} workers (smallest "
+            f"shard: {smallest} rows), fewer than one batch per worker: train.batch_size={batch_size} x "
+            f"parallelism.data={world_size} = {batch_size * world_size} rows; use a smaller train.batch_size, "
+            "fewer workers (parallelism.data, then re-run `shardline etl`), or re-run `shardline etl` with more data")
     return math.ceil(smallest / batch_size)
 
 

@@ -157,7 +157,10 @@ class AverageExchange(Exchange):
     def start(self) -> int:
         self.round, params = self._pull(0)
         self.base.copy_(params)
-        return 0
+        # Rounds end every sync_every local steps: a retried attempt restarts after the last applied
+        # round (local steps since then were never merged, so they are redone, not lost).
+        self.local_steps = min(self.round * self.info.sync_every, self.total_steps)
+        return self.local_steps
 
     def after_backward(self, step: int) -> int:
         from pipeline.ps.modes import is_sync_point

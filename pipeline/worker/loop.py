@@ -40,9 +40,21 @@ class InjectedFault(RuntimeError):
     """Raised by the fault-injection hook (faults.fail_rank / faults.fail_step); off by default."""
 
 
-def _maybe_inject_failure(plan: WorkerPlan, step: int) -> None:
-    fail_rank = plan.extra.get("fail_rank")
-    if fail_rank is not None and plan.rank == fail_rank and step >= plan.extra.get("fail_step", 0):
+def _inject_faults(plan: WorkerPlan, step: int) -> None:
+    """The faults.* hooks (plan.extra["faults"], present only in the attempts they apply to)."""
+    faults = plan.extra.get("faults")
+    if not faults:
+        return
+    if faults.get("delay_rank") == plan.rank and step >= faults.get("delay_step", 0):
+        time.sleep(faults.get("delay_ms", 0.0) / 1000.0)
+    if faults.get("kill_rank") == plan.rank and step >= faults.get("kill_step", 0):
+        import os
+        import signal
+
+        log.error("rank %d: faults.kill_rank: SIGKILL to this Python worker (pid %d) at step %d",
+                  plan.rank, os.getpid(), step)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if faults.get("fail_rank") == plan.rank and step >= faults.get("fail_step", 0):
         raise InjectedFault(f"injected failure on rank {plan.rank} at step {step} (faults.fail_rank)")
 
 
@@ -93,14 +105,18 @@ def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes) -> WorkerRe
         total_steps = plan.steps_per_epoch * plan.epochs
         exchange = make_exchange(client, info, model, total_steps, plan.optimizer)
         step = exchange.start()
+        # A retried attempt (new generation) starts at the server's step for this rank; the epoch and the
+        # batch within it follow from it, so no sample is skipped or trained on twice.
+        first_epoch, skip = divmod(step, plan.steps_per_epoch)
         log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, ps.mode=%s, "
-                "starting at step %d", plan.rank, plan.world_size, loader.num_rows, plan.steps_per_epoch,
-                plan.epochs, info.num_params, info.mode, step)
-        for epoch in range(plan.epochs):
+                "generation %d, starting at step %d (epoch %d, batch %d)", plan.rank, plan.world_size,
+                loader.num_rows, plan.steps_per_epoch, plan.epochs, info.num_params, info.mode,
+                plan.generation, step, first_epoch, skip)
+        for epoch in range(first_epoch, plan.epochs):
             epoch_started = time.perf_counter()
             loss_sum, epoch_samples = 0.0, 0
-            for x, y in loader.epoch(epoch):
-                _maybe_inject_failure(plan, step)
+            for x, y in loader.epoch(epoch, start_step=skip if epoch == first_epoch else 0):
+                _inject_faults(plan, step)
                 _maybe_slow_down(plan)
                 for p in model.parameters():
                     p.grad = None

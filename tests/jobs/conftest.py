@@ -10,7 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture
 def submit_pipeline(tmp_path):
-    """`submit_pipeline(master, *spark_submit_args, overrides=[...])` runs jobs/pipeline.py on the digits
+    """`submit_pipeline(master, *spark_submit_args, overrides=[...])` runs jobs/run_pipeline.py on the digits
     config with a workdir and an SQLite MLflow store under tmp_path; returns (process, tracking uri)."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
 
@@ -20,7 +20,7 @@ def submit_pipeline(tmp_path):
         env.pop("MLFLOW_TRACKING_URI", None)
         command = [os.path.join(os.path.dirname(sys.executable), "spark-submit"), "--master", master,
                    "--conf", "spark.ui.enabled=false", "--conf", "spark.driver.host=127.0.0.1", *spark_args,
-                   os.path.join(REPO, "jobs", "pipeline.py"), "--config", os.path.join(REPO, "conf", "digits.yaml"),
+                   os.path.join(REPO, "jobs", "run_pipeline.py"), "--config", os.path.join(REPO, "conf", "digits.yaml"),
                    f"workdir={tmp_path}", f"tracking.uri={uri}", *overrides]
         return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout), uri
 

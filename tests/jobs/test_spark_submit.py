@@ -1,4 +1,4 @@
-"""`spark-submit jobs/pipeline.py` in its own JVM produces a complete MLflow run."""
+"""`spark-submit jobs/run_pipeline.py` in its own JVM produces a complete MLflow run."""
 import re
 
 import pytest

@@ -18,13 +18,14 @@ ALLOWED = {
     "data": {"shards"},
     "models": {"config"},
     "ps": set(),
+    "checkpoints": set(),
     "worker": {"data", "models", "ps"},
-    "launch": {"config", "worker", "ps", "shards", "models", "data"},
+    "launch": {"config", "worker", "ps", "shards", "models", "data", "checkpoints"},
     "evaluate": {"models", "shards"},
     "tracking": {"config"},
     "session": {"config"},
     "notebook": set(),
-    "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking"},
+    "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints"},
     "cli": {"config", "session", "steps"},
 }
 

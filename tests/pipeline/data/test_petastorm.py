@@ -56,3 +56,25 @@ def test_petastorm_missing_or_incompatible_is_a_clear_error(tmp_path):
     files, _ = _rank_files(tmp_path, [100])
     with pytest.raises(DataError, match=r"data.reader=petastorm.*constraints/lts.txt.*data.reader=arrow"):
         StreamingLoader(files[0], steps_per_epoch=2, seed=0, rank=0, reader="petastorm")
+
+
+@pytest.mark.skipif(not HAS_PETASTORM, reason="petastorm runs on the LTS stack only (make test-lts)")
+def test_petastorm_reads_the_shards_the_etl_wrote(spark, tmp_path):
+    from pipeline.config import build
+    from pipeline.etl import run_etl
+    from pipeline.shards import rank_files, steps_per_epoch
+
+    cfg = build({"name": "pst", "workdir": str(tmp_path), "parallelism": {"data": 2}, "data": {"source": "digits"}})
+    manifest = run_etl(spark, cfg)
+    steps = steps_per_epoch(manifest, 2, 32)
+    for rank in range(2):
+        got = {}
+        for reader in ("arrow", "petastorm"):
+            loader = StreamingLoader(rank_files(manifest, rank), steps_per_epoch=steps, seed=3, rank=rank,
+                                     reader=reader, num_features=manifest.num_features)
+            batches = list(loader.epoch(0))
+            assert len(batches) == steps
+            rows = torch.cat([torch.cat([x, y.float().unsqueeze(1)], dim=1) for x, y in batches])
+            got[reader] = sorted(map(tuple, rows.tolist()))
+        assert len(got["arrow"]) == manifest.split("train").shards[rank].rows
+        assert got["petastorm"] == got["arrow"]

@@ -88,6 +88,7 @@ def test_csv_with_non_numeric_strings_is_reported(spark, tmp_path):
     lines = ["id,f1,f2,label"] + [f"{i},{i * 0.5},{'oops' if i in (4, 9) else i},{i % 3}" for i in range(60)]
     csv.write_text("\n".join(lines) + "\n")
     cfg = build({"name": "csv", "workdir": str(tmp_path / "work"), "parallelism": {"data": 2},
+                 "train": {"batch_size": 8},
                  "data": {"source": "csv", "path": str(csv), "id_column": "id", "invalid_rows": "reject"}})
     with pytest.raises(DataError, match=r"non-numeric: \{'f2': 2\}"):
         run_etl(spark, cfg)

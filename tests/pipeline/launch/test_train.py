@@ -25,7 +25,8 @@ def _ps_threads():
 
 def test_a_raising_worker_gives_one_exception_naming_its_rank(spark, shards):
     cfg, manifest = shards
-    failing = cfg.model_copy(update={"faults": cfg.faults.model_copy(update={"fail_rank": 1, "fail_step": 3})})
+    failing = cfg.model_copy(update={"faults": cfg.faults.model_copy(update={"fail_rank": 1, "fail_step": 3}),
+                                     "train": cfg.train.model_copy(update={"max_attempts": 1})})
     with pytest.raises(WorkerTrainingFailedError) as info:
         train(spark, failing, manifest)
     error = info.value

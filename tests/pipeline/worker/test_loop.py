@@ -79,7 +79,7 @@ def test_two_ranks_train_in_lockstep_and_report_epochs(tmp_path):
 
 
 def test_a_failing_rank_releases_its_peer_with_its_rank_named(tmp_path):
-    spec, plans = _plans(tmp_path, extra={"fail_rank": 0, "fail_step": 2})
+    spec, plans = _plans(tmp_path, extra={"faults": {"fail_rank": 0, "fail_step": 2}})
     secret = new_secret()
     with ParameterServer(flat_parameters(build_model(spec)), world_size=2, secret=secret,
                          optimizer=OptimizerSpec(), host="127.0.0.1", timeout_s=10) as server:
@@ -194,7 +194,7 @@ def test_every_mode_and_compression_trains_with_three_shards(tmp_path, mode, com
 
 
 def test_a_failing_rank_is_named_with_two_shards(tmp_path):
-    spec, plans = _plans(tmp_path, extra={"fail_rank": 1, "fail_step": 3})
+    spec, plans = _plans(tmp_path, extra={"faults": {"fail_rank": 1, "fail_step": 3}})
     secret = new_secret()
     with ParameterServer(flat_parameters(build_model(spec)), world_size=2, secret=secret, shards=2,
                          optimizer=OptimizerSpec(), host="127.0.0.1", timeout_s=10) as server:

@@ -1,0 +1,108 @@
+"""Durable training checkpoints: the PS state plus what a resumed run must agree with.
+
+One file per checkpoint, `ckpt-<step>.pt`, written to a temporary name and renamed into place, so a
+reader never sees a half-written one; the newest `keep` are kept. The directory is a local path or any
+fsspec URL (s3://, gs://, abfss://, dbfs:/...). Files are torch.save'd dicts of tensors and plain
+values and are loaded with weights_only=True: a checkpoint can never run code.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"ckpt-(\d{12})\.pt$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    step: int
+
+
+class CheckpointStore:
+    """Save, list, load and prune the checkpoints of one run in `directory`."""
+
+    def __init__(self, directory: str, keep: int = 3):
+        from fsspec.core import url_to_fs
+
+        self.directory = directory.rstrip("/")
+        self.keep = keep
+        self._fs, self._root = url_to_fs(self.directory)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first."""
+        if not self._fs.exists(self._root):
+            return []
+        found = []
+        for path in self._fs.ls(self._root, detail=False):
+            match = _NAME.search(str(path))
+            if match:
+                found.append(CheckpointInfo(str(path), int(match.group(1))))
+        return sorted(found, key=lambda c: c.step)
+
+    def latest(self) -> Optional[CheckpointInfo]:
+        found = self.list()
+        return found[-1] if found else None
+
+    def save(self, state: dict[str, Any]) -> CheckpointInfo:
+        """Write `state` (must hold "step") atomically, then drop all but the newest `keep`."""
+        import torch
+
+        step = int(state["step"])
+        buffer = io.BytesIO()
+        torch.save({**state, "format": FORMAT, "saved_at": time.time()}, buffer)
+        self._fs.makedirs(self._root, exist_ok=True)
+        final = f"{self._root}/ckpt-{step:012d}.pt"
+        temporary = f"{self._root}/.ckpt-{step:012d}.pt.{uuid.uuid4().hex[:8]}.tmp"
+        with self._fs.open(temporary, "wb") as out:
+            out.write(buffer.getvalue())
+        self._fs.mv(temporary, final)
+        for old in self.list()[:-self.keep]:
+            self._fs.rm(old.path)
+        log.debug("checkpoint at step %d: %s (%d bytes)", step, final, buffer.tell())
+        return CheckpointInfo(final, step)
+
+    def load(self, info: CheckpointInfo) -> dict[str, Any]:
+        import torch
+
+        with self._fs.open(info.path, "rb") as f:
+            data = io.BytesIO(f.read())
+        try:
+            state = torch.load(data, weights_only=True)
+        except Exception as exc:
+            raise ConfigError(f"checkpoint {info.path} cannot be read ({type(exc).__name__}: {exc}); delete it to "
+                              "resume from the one before, or start without --resume") from None
+        if state.get("format") != FORMAT:
+            raise ConfigError(f"checkpoint {info.path} has format {state.get('format')}, this shardline reads "
+                              f"{FORMAT}; start without --resume")
+        return state
+
+
+def check_compatible(state: dict[str, Any], path: str, *, fingerprint: str, model: dict, world_size: int,
+                     mode: str, steps_per_epoch: int) -> None:
+    """Refuse to resume a checkpoint that belongs to other data, another model or another layout."""
+    problems = []
+    if state["fingerprint"] != fingerprint:
+        problems.append(f"it was trained on shard set {state['fingerprint']}, the shards now are {fingerprint} "
+                        "(re-run on the same shards, or start fresh)")
+    if state["model"] != model:
+        problems.append(f"its model is {state['model']}, the config now builds {model} (use the same model.* "
+                        "settings, or start fresh)")
+    if state["world_size"] != world_size or state["steps_per_epoch"] != steps_per_epoch:
+        problems.append(f"it ran {state['world_size']} workers x {state['steps_per_epoch']} steps/epoch, the config "
+                        f"now gives {world_size} x {steps_per_epoch} (use the same parallelism.data and "
+                        "train.batch_size)")
+    if state["mode"] != mode:
+        problems.append(f"it ran ps.mode={state['mode']}, the config says {mode}")
+    if problems:
+        raise ConfigError(f"cannot resume from checkpoint {path}: " + "; ".join(problems))

@@ -1,0 +1,131 @@
+"""Failures during training on a real local Spark session: killed workers, hung workers, driver retries.
+
+Every case trains for real through the barrier stage and the driver's PS; faults come from the
+faults.* hooks, which fire in the first attempt only, so the driver's retry can succeed.
+"""
+import logging
+
+import pytest
+
+from pipeline.config import build
+from pipeline.errors import WorkerTrainingFailedError
+from pipeline.etl import run_etl
+from pipeline.evaluate import evaluate
+from pipeline.launch import train
+from pipeline.shards import steps_per_epoch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def digits(spark, tmp_path_factory):
+    work = tmp_path_factory.mktemp("faults")
+    cfg = build({"name": "faults", "workdir": str(work), "parallelism": {"data": 2}, "data": {"source": "digits"},
+                 "model": {"hidden": [128, 64]},
+                 "train": {"epochs": 20, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "checkpoint_every": 0},
+                 "ps": {"timeout_s": 20}})
+    return cfg, run_etl(spark, cfg)
+
+
+def _with(cfg, **sections):
+    return cfg.model_copy(update={name: getattr(cfg, name).model_copy(update=values)
+                                  for name, values in sections.items()})
+
+
+def test_sigkilled_worker_mid_epoch_is_retried_without_losing_or_repeating_a_step(spark, digits):
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
+    planned = steps * cfg.train.epochs
+    kill_at = 5 * steps + steps // 2  # the middle of epoch 6
+    result = train(spark, _with(cfg, faults={"kill_rank": 1, "kill_step": kill_at}), manifest)
+
+    assert result.steps == planned
+    assert len(result.failed_attempts) == 1 and result.failed_attempts[0]["ranks"] == [1]
+    assert "closed its connection" in result.failed_attempts[0]["error"]
+    stats = result.ps_stats
+    assert stats["generations"] == 2
+    # Each (rank, step) applied exactly once: the step cut by the kill was discarded and redone.
+    assert stats["steps_applied_by_rank"] == {0: planned, 1: planned}
+    assert [row["epoch"] for row in result.history] == list(range(cfg.train.epochs))
+    accuracy = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics["accuracy"]
+    assert accuracy >= 0.95, accuracy
+
+
+def test_hung_worker_fails_the_step_naming_its_rank_then_the_retry_succeeds(spark, digits):
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
+    hung = _with(cfg, train={"epochs": 2}, ps={"timeout_s": 2.0},
+                 faults={"delay_rank": 0, "delay_step": steps + 3, "delay_ms": 6000})
+    result = train(spark, hung, manifest)
+
+    assert result.steps == 2 * steps
+    [failure] = result.failed_attempts
+    assert "rank(s) 0 had not pushed step" in failure["error"] and "timed out after 2s" in failure["error"]
+    assert failure["step"] == steps + 3  # detected at the stalled step, not later
+    assert result.ps_stats["steps_applied_by_rank"] == {0: 2 * steps, 1: 2 * steps}
+
+
+def test_a_worker_failing_in_every_attempt_exhausts_max_attempts(spark, digits, caplog):
+    cfg, manifest = digits
+    failing = _with(cfg, train={"epochs": 1, "max_attempts": 2}, faults={"fail_rank": 0, "fail_step": 2, "attempts": 5})
+    with caplog.at_level(logging.WARNING, logger="pipeline.launch.train"):
+        with pytest.raises(WorkerTrainingFailedError, match=r"gave up after 2 attempt\(s\) \(train.max_attempts=2\)") as info:
+            train(spark, failing, manifest)
+    assert info.value.attempt == 2 and list(info.value.failures) == [0]
+    assert "attempt 1 of 2 failed; retrying from step 2" in caplog.text
+
+
+def _uneven_manifest(manifest, sizes):
+    """The same shard set with train shards of the given row counts (rows taken from the real ones)."""
+    import dataclasses
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.data import read_tensors
+    from pipeline.shards.manifest import Shard, ShardFile, SplitShards
+
+    features, labels = read_tensors(manifest.files("train"), num_features=manifest.num_features)
+    shards, start = [], 0
+    for index, rows in enumerate(sizes):
+        relative = f"uneven/shard={index}/part-0.parquet"
+        path = os.path.join(manifest.root, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        x = features[start:start + rows].numpy()
+        table = pa.table({"features": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]),
+                          "label": pa.array(labels[start:start + rows].numpy())})
+        pq.write_table(table, path, row_group_size=64)
+        groups = tuple(pq.ParquetFile(path).metadata.row_group(g).num_rows
+                       for g in range(pq.ParquetFile(path).metadata.num_row_groups))
+        shards.append(Shard(index, rows, (ShardFile(relative, rows, os.path.getsize(path), groups),)))
+        start += rows
+    train = SplitShards(sum(sizes), tuple(shards))
+    return dataclasses.replace(manifest, splits={**manifest.splits, "train": train})
+
+
+def test_very_uneven_shards_train_to_the_end_without_hanging(spark, digits):
+    import threading
+
+    cfg, manifest = digits
+    uneven = _uneven_manifest(manifest, [40, 900])  # one rank holds 22x the rows of the other
+    quick = _with(cfg, train={"epochs": 2, "batch_size": 16}, ps={"timeout_s": 10})
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(result=train(spark, quick, uneven)), daemon=True)
+    worker.start()
+    worker.join(timeout=300)  # a hang fails here instead of blocking the suite
+    assert not worker.is_alive(), "training on uneven shards hung"
+    result = outcome["result"]
+    steps = steps_per_epoch(uneven, 2, 16)
+    assert steps == 3 and result.steps == 2 * steps  # the smallest shard decides; both ranks run 3 steps
+    # every row of both ranks was used once per epoch: the big rank's batches are just larger
+    assert sum(r["samples"] for r in result.ranks) == 2 * 940
+    assert result.failed_attempts == []
+
+
+def test_a_shard_smaller_than_a_batch_is_refused_before_anything_starts(spark, digits):
+    from pipeline.errors import DataError
+
+    cfg, manifest = digits
+    with pytest.raises(DataError, match=r"train.batch_size"):
+        train(spark, cfg, _uneven_manifest(manifest, [0, 900]))
