@@ -218,6 +218,9 @@ class TrainConfig(_Section):
     prefetch: int = Field(2, ge=0, le=64)
     # Lines of each worker's log kept for the driver's error report.
     log_tail_lines: int = Field(40, ge=0, le=10_000)
+    # How workers synchronize: `ps` (the driver's parameter server, ps.* modes) or `allreduce`
+    # (torch.distributed between the tasks, DistributedDataParallel: gloo on CPU, nccl on GPUs).
+    backend: Literal["ps", "allreduce"] = "ps"
     # Barrier attempts before giving up: after a failed attempt the driver keeps the PS and its state and
     # runs the barrier job again; workers resume at the server's step (Spark never retries a barrier
     # ResultStage itself).
@@ -266,6 +269,8 @@ class FaultsConfig(_Section):
     # Rank that raises InjectedFault once it reaches fail_step.
     fail_rank: Optional[int] = Field(None, ge=0)
     fail_step: int = Field(0, ge=0)
+    # train.backend=allreduce: fail_rank fails while joining the process group instead of at fail_step.
+    fail_in_rendezvous: bool = False
     # Rank whose Python worker process SIGKILLs itself at kill_step (a crash with no goodbye).
     kill_rank: Optional[int] = Field(None, ge=0)
     kill_step: int = Field(0, ge=0)

@@ -80,6 +80,7 @@ def _plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int,
             features_field=manifest.features_field, label_field=manifest.label_field, epochs=cfg.train.epochs,
             steps_per_epoch=steps, seed=cfg.train.seed, prefetch=cfg.train.prefetch,
             ps_timeout_s=cfg.ps.timeout_s, extra=extra(rank), optimizer=dataclasses.asdict(_optimizer(cfg)),
+            backend=cfg.train.backend,
         ).to_dict()
         for rank in range(cfg.parallelism.data)
     ]
@@ -132,6 +133,10 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                       task=manifest.task)
     store = CheckpointStore(checkpoint_dir(cfg), cfg.train.keep_checkpoints)
     resumed = None
+    allreduce = cfg.train.backend == "allreduce"
+    if resume and allreduce:
+        raise ConfigError("--resume needs train.backend=ps: with allreduce the state lives only in the workers' "
+                          "replicas, so there is no server state to checkpoint")
     if resume:
         latest = store.latest()
         if latest is None:
@@ -172,21 +177,44 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                     "steps_per_epoch": steps, "epochs": cfg.train.epochs, "seed": cfg.train.seed,
                     "history": [dict(row) for row in progress.history], "extra": dict(checkpoint_extra or {})}
 
-        with Checkpointer(store, snapshot, lambda: server.version, cfg.train.checkpoint_every) as checkpointer:
+        # allreduce keeps no state on the server: nothing to checkpoint, and a retry starts over.
+        with Checkpointer(store, snapshot, lambda: server.version, cfg.train.checkpoint_every,
+                          enabled=not allreduce) as checkpointer:
             failed_attempts: list[dict] = []
             rows = _attempts(spark, cfg, server, secret, manifest, spec, steps, bar, checkpointer, failed_attempts)
-            parameters = server.parameters()
-            version = server.version
+            if allreduce:
+                parameters, version = _replica_parameters(rows, initial.numel()), min(r["steps"] for r in rows)
+                expected = steps * cfg.train.epochs
+            else:
+                parameters, version = server.parameters(), server.version
             stats = dict(server.stats)
             checkpointer.save("end of training")
     seconds = time.perf_counter() - started
     if version != expected:
-        raise WorkerTrainingFailedError({}, cause=f"the PS applied {version} steps, expected {expected}")
+        raise WorkerTrainingFailedError({}, cause=f"training applied {version} steps, expected {expected}")
     log.info("training done: %d steps in %.1fs; ranks ran in %s", version, seconds,
-             ", ".join(f"{r['rank']}@{r['process']}" for r in sorted(rows, key=lambda r: r["rank"])))
-    return TrainResult(spec=spec, parameters=parameters, history=progress.history, ranks=sorted(rows, key=lambda r: r["rank"]),
+             ", ".join(f"{r['rank']}@{r['process']} ({r['device']}{', gpu ' + r['gpu'] if r['gpu'] else ''})"
+                       for r in sorted(rows, key=lambda r: r["rank"])))
+    ranks = [{k: v for k, v in r.items() if k != "parameters"} for r in sorted(rows, key=lambda r: r["rank"])]
+    return TrainResult(spec=spec, parameters=parameters, history=progress.history, ranks=ranks,
                        steps=version, seconds=seconds, ps_stats=stats, failed_attempts=failed_attempts,
                        resumed_from_step=None if resumed is None else int(resumed["step"]))
+
+
+def _replica_parameters(rows: list[dict], num_params: int):
+    """allreduce: rank 0's parameters, after checking that every replica ended bit-identical."""
+    import torch
+
+    digests = {r["rank"]: r["parameters_digest"] for r in rows}
+    if len(set(digests.values())) != 1:
+        raise WorkerTrainingFailedError({}, cause=f"the allreduce replicas disagree at the end (sha256 by rank: "
+                                                  f"{digests}); this is a bug, please report it")
+    raw = next(r["parameters"] for r in rows if r["rank"] == 0)
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+    if flat.numel() != num_params:
+        raise WorkerTrainingFailedError({}, cause=f"rank 0 returned {flat.numel()} parameters, the model has "
+                                                  f"{num_params}")
+    return flat
 
 
 def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manifest, spec: ModelSpec, steps: int, bar,
@@ -219,7 +247,10 @@ def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[
     task_fn = make_task_fn(plans, ps_host, ps_port, secret, cfg.train.log_tail_lines)
     ranks_df = spark.range(0, workers, 1, workers)
     tag = f"shardline-train-{uuid.uuid4().hex[:12]}"
-    watchdog = StageWatchdog(server, workers, connect_timeout_s=cfg.ps.timeout_s, grace_s=cfg.ps.timeout_s,
+    # allreduce peers blocked in a collective cannot hear the PS abort, so a failed attempt is cancelled
+    # after a short grace instead of waiting for their collective timeout.
+    grace_s = min(cfg.ps.timeout_s, 3.0) if cfg.train.backend == "allreduce" else cfg.ps.timeout_s
+    watchdog = StageWatchdog(server, workers, connect_timeout_s=cfg.ps.timeout_s, grace_s=grace_s,
                              cancel=lambda reason: _interrupt(spark, tag))
     log.info("barrier attempt %d (generation %d) from step %d", attempt, server.generation, server.version)
     spark.addTag(tag)
@@ -239,7 +270,11 @@ def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[
         spark.removeTag(tag)
     failed = [r for r in rows if not r["ok"]]
     if failed:
-        root_causes = set(server.root_failures)
+        root_causes = list(server.root_failures)  # in the order the server heard of them
+        if cfg.train.backend == "allreduce" and root_causes:
+            # A rank that dies takes its peers' collectives down with it ("Connection closed by peer"):
+            # those are consequences, and the server heard of the cause first.
+            root_causes = root_causes[:1]
         primary = [r for r in failed if r["rank"] in root_causes] or failed
         raise WorkerTrainingFailedError(
             {r["rank"]: WorkerFailure(r["rank"], r["error"], r["log_tail"] or "") for r in primary}, attempt,
@@ -251,10 +286,12 @@ class Checkpointer:
     """Saves a snapshot every `every` applied steps from a background thread, and on request."""
 
     def __init__(self, store, snapshot: Callable[[], dict], version: Callable[[], int], every: int,
-                 poll_s: float = 0.1):
+                 poll_s: float = 0.1, enabled: bool = True):
         import threading
 
-        self._store, self._snapshot, self._version, self._every = store, snapshot, version, every
+        self._store, self._snapshot, self._version = store, snapshot, version
+        self._enabled = enabled
+        self._every = every if enabled else 0
         self._poll_s = poll_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -274,6 +311,8 @@ class Checkpointer:
 
     def save(self, why: str) -> None:
         """Best effort: a failing checkpoint write is logged, never allowed to stop training."""
+        if not self._enabled:
+            return
         with self._lock:
             try:
                 state = self._snapshot()

@@ -100,7 +100,7 @@ class PSClient:
     closing without it is recorded by the server as a failure of this rank."""
 
     def __init__(self, host: str, port: int, *, rank: int, secret: bytes, generation: int = 1,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, log_tail: Callable[[], str] | None = None) -> None:
         if not 0 <= rank <= U32_MAX or not 0 <= generation <= U32_MAX:
             raise PSError(f"rank {rank} and generation {generation} must fit an unsigned 32-bit field")
         if not timeout_s > 0:
@@ -110,6 +110,8 @@ class PSClient:
         self.rank = rank
         self.generation = generation
         self.timeout_s = float(timeout_s)
+        # The FAIL sent when the `with` body raises carries this rank's recent log lines.
+        self._log_tail = log_tail
         self._secret = bytes(secret)
         self._links: list[_Link] = []
         self._info: ServerInfo | None = None
@@ -127,7 +129,13 @@ class PSClient:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if exc is not None and not isinstance(exc, PSError):
-            self.fail(f"{type(exc).__name__}: {exc}")
+            tail = ""
+            if self._log_tail is not None:
+                try:
+                    tail = self._log_tail()
+                except Exception:  # a log tail is a nicety; the FAIL itself must go out
+                    tail = ""
+            self.fail(f"{type(exc).__name__}: {exc}", tail)
         self.close()
 
     @property

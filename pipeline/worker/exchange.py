@@ -175,6 +175,30 @@ class AverageExchange(Exchange):
         return step + 1
 
 
+class AllreduceExchange(Exchange):
+    """Peer to peer: DistributedDataParallel has already averaged the gradients across ranks during
+    backward (bucketed, overlapped with it), so each rank steps its own replica with the same update and
+    the replicas stay identical. The PS connection only carries metrics and failures."""
+
+    def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
+                 optimizer: dict) -> None:
+        super().__init__(client, info, model, total_steps, optimizer)
+        from pipeline.ps.optim import OptimizerSpec, build_optimizer
+
+        spec = OptimizerSpec(**{**optimizer, "betas": tuple(optimizer.get("betas", (0.9, 0.999)))})
+        self.optimizer = build_optimizer(spec, list(model.parameters()))
+
+    def start(self) -> int:
+        # Every replica starts from the server's initial parameters (DDP also broadcasts rank 0's).
+        self._pull(0)
+        return 0
+
+    def after_backward(self, step: int) -> int:
+        self.optimizer.step()
+        self.stats.record(0)
+        return step + 1
+
+
 def _flat_parameters_into(model, out: torch.Tensor) -> torch.Tensor:
     """The model's parameters into a preallocated flat vector (``model.parameters()`` order)."""
     import torch
@@ -192,7 +216,10 @@ EXCHANGES: dict[str, type[Exchange]] = {"sync": SyncExchange, "ssp": SspExchange
                                         "average": AverageExchange}
 
 
-def make_exchange(client: PSClient, info: ServerInfo, model, total_steps: int, optimizer: dict) -> Exchange:
+def make_exchange(client: PSClient, info: ServerInfo, model, total_steps: int, optimizer: dict,
+                  backend: str = "ps") -> Exchange:
+    if backend == "allreduce":
+        return AllreduceExchange(client, info, model, total_steps, optimizer)
     try:
         cls = EXCHANGES[info.mode]
     except KeyError:

@@ -23,8 +23,10 @@ class WorkerPlan:
     prefetch: int
     ps_timeout_s: float
     extra: dict = field(default_factory=dict)
-    # OptimizerSpec fields: the local optimizer of ps.mode=average (other modes step on the server).
+    # OptimizerSpec fields: the local optimizer of ps.mode=average and of the allreduce backend (the
+    # other modes step on the server).
     optimizer: dict = field(default_factory=dict)
+    backend: str = "ps"  # train.backend: ps | allreduce
 
     def to_dict(self) -> dict:
         return asdict(self)

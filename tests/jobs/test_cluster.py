@@ -19,6 +19,6 @@ def test_pipeline_job_on_local_cluster(submit_pipeline):
     assert run.info.status == "FINISHED"
     assert run.data.metrics["test_accuracy"] >= 0.93
     # the two ranks ran in different executor JVMs, so their Python workers fork from different daemons
-    placement = re.search(r"ranks ran in 0@([^:]+):(\d+)/\d+, 1@([^:]+):(\d+)/\d+", output)
+    placement = re.search(r"ranks ran in 0@([^:]+):(\d+)/\d+ \([^)]*\), 1@([^:]+):(\d+)/\d+", output)
     assert placement, output[-3000:]
     assert placement.group(2) != placement.group(4)

@@ -1,0 +1,58 @@
+"""The allreduce backend's process group: joined at a rendezvous address, always destroyed on the way out.
+
+No Spark here: launch/task.py finds the address (rank 0's host and a free port, shared with the barrier's
+allGather) and passes it in as plain values.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    host: str
+    port: int
+    timeout_s: float
+
+
+def _fresh_group_names() -> None:
+    """Spark reuses Python workers, and torch names each new default process group by a per-process
+    counter that destroy_process_group() does not reset: a reused worker would then wait for other
+    rendezvous keys than a fresh peer (DistStoreError: wait timeout, keys /default_pg/2/... vs /1/...).
+    Every rank starts its group from the same counter instead."""
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
+@contextmanager
+def process_group(rendezvous: Rendezvous, rank: int, world_size: int, device: str) -> Iterator[str]:
+    """torch.distributed for this rank (gloo on CPU, nccl on CUDA); yields the backend name."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    address = f"tcp://{rendezvous.host}:{rendezvous.port}"
+    _fresh_group_names()
+    try:
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=rendezvous.timeout_s))
+    except Exception as exc:
+        raise RuntimeError(f"rank {rank}: the allreduce rendezvous at {address} ({backend}, {world_size} ranks) "
+                           f"failed within {rendezvous.timeout_s:g}s: {type(exc).__name__}: {exc}; check that "
+                           "executors can reach each other, or raise ps.timeout_s") from exc
+    log.debug("rank %d joined the %s process group at %s", rank, backend, address)
+    try:
+        yield backend
+    finally:
+        # Also on failure: closing this rank's sockets makes peers blocked in a collective fail now
+        # instead of waiting for the collective timeout.
+        dist.destroy_process_group()
