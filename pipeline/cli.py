@@ -20,6 +20,10 @@ COMMANDS = {
     "train": "train on the shard set with barrier workers and the driver parameter server",
     "evaluate": "evaluate the last trained model on the test split (in Spark) and log to its run",
     "run": "etl, train and evaluate in one MLflow run",
+    "promote": "register the last trained model; alias champion if it beats the champion on the test split, "
+               "else challenger",
+    "workflow": "scheduled run: ETL only new date partitions, train on all, evaluate, promote (no-op when "
+                "nothing changed)",
 }
 
 
@@ -64,10 +68,25 @@ def run_command(command: str, config: Optional[str], overrides: Sequence[str], b
         return steps.train(spark, cfg, resume=resume)
     if command == "evaluate":
         return steps.evaluate(spark, cfg)
+    if command == "promote":
+        return steps.promote(spark, cfg)
+    if command == "workflow":
+        from pipeline.workflow import run_workflow
+
+        return run_workflow(spark, cfg)
     return steps.run_all(spark, cfg, resume=resume)
 
 
 def _report(command: str, outcome) -> None:
+    if command == "promote":
+        print(f"model version {outcome.version}: {outcome.alias} ({outcome.reason})")
+        return
+    if command == "workflow":
+        print(f"workflow: {outcome.reason}")
+        if outcome.run_id:
+            print(f"mlflow run id: {outcome.run_id}")
+            print("test metrics: " + json.dumps({k: round(v, 4) for k, v in outcome.test_metrics.items()}))
+        return
     if command == "generate":
         print(f"synthetic data: {outcome}")
         return

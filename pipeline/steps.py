@@ -28,6 +28,15 @@ class PipelineOutcome:
     model_uri: Optional[str] = None
 
 
+@dataclass
+class Promotion:
+    alias: str  # champion | challenger
+    version: str
+    reason: str
+    new_metric: float
+    champion_metric: Optional[float] = None
+
+
 def model_dir(cfg: PipelineConfig) -> Path:
     return Path(cfg.workdir) / "models" / cfg.name
 
@@ -55,6 +64,9 @@ def load_shards(cfg: PipelineConfig) -> Manifest:
     return load_manifest(shards_dir(cfg))
 
 
+MODEL_ARTIFACT_DIR = "shardline"
+
+
 def _save_model(cfg: PipelineConfig, result, run_id: str) -> Path:
     """The merged model as spec + flat parameters; loaded back with torch.load(weights_only=True)."""
     import torch
@@ -66,6 +78,10 @@ def _save_model(cfg: PipelineConfig, result, run_id: str) -> Path:
     os.replace(tmp, folder / "model.pt")
     (folder / "last_run.json").write_text(json.dumps({"run_id": run_id}))
     return folder / "model.pt"
+
+
+def _record_model_uri(cfg: PipelineConfig, run_id: str, model_uri: Optional[str]) -> None:
+    (model_dir(cfg) / "last_run.json").write_text(json.dumps({"run_id": run_id, "model_uri": model_uri}))
 
 
 def load_saved_model(cfg: PipelineConfig):
@@ -114,7 +130,8 @@ def _resume_run_id(cfg: PipelineConfig, resume: bool) -> Optional[str]:
     return store.load(latest).get("extra", {}).get("mlflow_run_id")
 
 
-def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False):
+def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False,
+                initial_parameters=None):
     from pipeline.launch import train as launch_train
 
     if not resume:  # a resumed run logged its params already (MLflow refuses to change them)
@@ -128,7 +145,7 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
         run.log_epoch(row["epoch"], {k: v for k, v in row.items() if k not in ("epoch", "step")})
 
     result = launch_train(spark, cfg, manifest, on_epoch=log_epoch, resume=resume,
-                          checkpoint_extra={"mlflow_run_id": run.run_id})
+                          checkpoint_extra={"mlflow_run_id": run.run_id}, initial_parameters=initial_parameters)
     if result.resumed_from_step is not None:
         run.set_tags({"shardline.resumed_from_step": str(result.resumed_from_step)})
     if result.failed_attempts:
@@ -136,7 +153,8 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     run.log_history(result.history)
     run.log_metrics({"train_seconds": result.seconds, "train_steps": result.steps,
                      "train_samples_per_s": sum(r["samples"] for r in result.ranks) / max(result.seconds, 1e-9)})
-    _save_model(cfg, result, run.run_id)
+    saved = _save_model(cfg, result, run.run_id)
+    run.log_file(saved, MODEL_ARTIFACT_DIR)  # spec + flat parameters: what promotion re-scores a champion with
     return result
 
 
@@ -169,6 +187,7 @@ def train(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome:
     with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
         result = _train_into(run, spark, cfg, manifest, resume)
         model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
+        _record_model_uri(cfg, run.run_id, model_uri)
     return PipelineOutcome(run.run_id, run.tracking_uri, {}, result.seconds, model_uri)
 
 
@@ -188,13 +207,90 @@ def run_all(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome
     return train_and_evaluate(spark, cfg, etl(spark, cfg), resume=resume)
 
 
-def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False) -> PipelineOutcome:
+def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False,
+                       initial_parameters=None, tags: Optional[dict] = None) -> PipelineOutcome:
     """Training, evaluation and model logging on a shard set, in one MLflow run."""
     from pipeline.tracking import start_run
 
     run_id = _resume_run_id(cfg, resume)
     with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
-        result = _train_into(run, spark, cfg, manifest, resume)
+        if tags:
+            run.set_tags(tags)
+        result = _train_into(run, spark, cfg, manifest, resume, initial_parameters)
         evaluation = _evaluate_into(run, spark, cfg, manifest, result.spec, result.parameters)
         model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
+        _record_model_uri(cfg, run.run_id, model_uri)
     return PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, result.seconds, model_uri)
+
+
+def registered_name(cfg: PipelineConfig) -> str:
+    return cfg.tracking.registered_model or cfg.name
+
+
+def champion_model(spark, cfg: PipelineConfig):
+    """(ModelSpec, flat parameters, RegisteredVersion) of the current champion, or None."""
+    import tempfile
+
+    import torch
+
+    from pipeline.models import ModelSpec
+    from pipeline.tracking.registry import CHAMPION, alias_version, download
+
+    uri = _tracking_uri(cfg)
+    champion = alias_version(uri, registered_name(cfg), CHAMPION)
+    if champion is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = download(uri, champion.run_id, f"{MODEL_ARTIFACT_DIR}/model.pt", tmp)
+        state = torch.load(path, weights_only=True)
+    return ModelSpec.from_dict(state["spec"]), state["parameters"], champion
+
+
+def promote(spark, cfg: PipelineConfig, manifest: Optional[Manifest] = None, run_id: Optional[str] = None,
+            model_uri: Optional[str] = None) -> Promotion:
+    """Register the model of `run_id` (default: the last trained one) and give it the alias `champion` if it
+    beats the current champion on this shard set's test split by more than workflow.margin (both scored
+    now, on the same rows); otherwise `challenger`, with the reason on the version and the run."""
+    from pipeline.evaluate import evaluate as evaluate_model
+    from pipeline.tracking import start_run
+    from pipeline.tracking.registry import CHALLENGER, CHAMPION, register, set_alias
+
+    manifest = manifest or load_shards(cfg)
+    spec, parameters, saved_run = load_saved_model(cfg)
+    run_id = run_id or saved_run
+    if run_id is None:
+        raise ShardlineError("no trained model to promote; run `shardline train` first")
+    model_uri = model_uri or _saved_model_uri(cfg)
+    if model_uri is None:
+        raise ShardlineError(f"run {run_id} logged no MLflow model (tracking.log_model=false); nothing to register")
+    w = cfg.workflow
+    new = evaluate_model(spark, manifest, spec, parameters, "test").metrics[w.metric]
+    champion = champion_model(spark, cfg)
+    old = None
+    if champion is None:
+        alias, reason = CHAMPION, f"no champion yet; test {w.metric} {new:.4f}"
+    else:
+        try:
+            old = evaluate_model(spark, manifest, champion[0], champion[1], "test").metrics[w.metric]
+        except Exception as exc:  # e.g. the champion has another shape: it cannot compete on these rows
+            alias, reason = CHAMPION, (f"the champion (version {champion[2].version}) cannot be scored on this "
+                                       f"test data ({type(exc).__name__}: {exc}); test {w.metric} {new:.4f}")
+        else:
+            better = new > old + w.margin if w.higher_is_better else new < old - w.margin
+            verb = "beats" if better else "does not beat"
+            alias = CHAMPION if better else CHALLENGER
+            reason = (f"test {w.metric} {new:.4f} {verb} the champion's (version {champion[2].version}) {old:.4f} "
+                      f"by more than workflow.margin={w.margin:g} on the same {manifest.split('test').rows} rows")
+    uri = _tracking_uri(cfg)
+    version = register(uri, model_uri, registered_name(cfg), run_id, tags={"shardline.fingerprint": manifest.fingerprint})
+    set_alias(uri, version, alias, reason)
+    with start_run(uri, cfg.tracking.experiment, run_id=run_id) as run:
+        run.set_tags({"shardline.promotion": alias, "shardline.promotion_reason": reason,
+                      "shardline.registered_version": version.version})
+    log.info("promotion: %s version %s -> %s (%s)", version.name, version.version, alias, reason)
+    return Promotion(alias, version.version, reason, new, old)
+
+
+def _saved_model_uri(cfg: PipelineConfig) -> Optional[str]:
+    path = model_dir(cfg) / "last_run.json"
+    return json.loads(path.read_text()).get("model_uri") if path.exists() else None

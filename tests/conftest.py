@@ -33,3 +33,47 @@ def spark():
 @pytest.fixture(scope="session")
 def conf_dir():
     return os.path.join(REPO, "conf")
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 (SQLite backend, artifacts proxied to a temp dir); yields its URI."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no huey consumer: fast shutdown
+    log = open(root / "server.log", "wb")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/server.db",
+         "--artifacts-destination", str(root / "artifacts")],
+        stdout=subprocess.DEVNULL, stderr=log, cwd=root, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlflow server did not come up:\n{(root / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield uri
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()

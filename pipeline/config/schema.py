@@ -283,6 +283,22 @@ class FaultsConfig(_Section):
     attempts: int = Field(1, ge=1)
 
 
+class WorkflowConfig(_Section):
+    """`shardline workflow`: incremental ETL over a date-partitioned source, training, promotion."""
+
+    # data.path holds one folder per partition, named <partition_column>=<value> (Hive style).
+    partition_column: str = Field("date", min_length=1)
+    # Test metric that decides promotion, and whether higher is better (accuracy) or lower (loss, rmse).
+    metric: str = Field("accuracy", min_length=1)
+    higher_is_better: bool = True
+    # The new model becomes `champion` only if it beats the champion by more than this; else `challenger`.
+    margin: float = 0.0
+    # Start training from the champion's parameters (same model shape) instead of from scratch.
+    warm_start: bool = False
+    # Where the processed-partition state lives; default <workdir>/workflow/<name>.
+    state_dir: Optional[str] = Field(None, min_length=1)
+
+
 class PipelineConfig(_Section):
     """The whole resolved configuration of one pipeline run."""
 
@@ -298,3 +314,4 @@ class PipelineConfig(_Section):
     ps: PSConfig = Field(default_factory=PSConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)

@@ -137,7 +137,7 @@ def profile(frame: CastFrame, features: list[str], data, label_values: list[str]
     return Profile(report, split_rows, offsets, totals, [float(v) for v in mean], stds, sorted(labels), truncated)
 
 
-def run_etl(spark, cfg: PipelineConfig) -> Manifest:
+def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[float]] | None = None) -> Manifest:
     """Prepare `cfg.data` into a committed shard set for `cfg.parallelism.data` workers.
 
     Two reads of the source and no shuffle: a profile pass (counts, split sizes per partition, train
@@ -187,6 +187,12 @@ def run_etl(spark, cfg: PipelineConfig) -> Manifest:
             raise DataError(f"the {name} split is empty ({report.output_rows} valid rows); "
                             f"raise data.split.{name} or add data")
     means, stds = (prof.means, prof.stds) if data.standardize else ([0.0] * len(features), [1.0] * len(features))
+    if statistics is not None and data.standardize:
+        # Frozen statistics (the incremental workflow's later partitions): every partition is scaled alike.
+        means, stds = list(statistics[0]), list(statistics[1])
+        if len(means) != len(features) or len(stds) != len(features):
+            raise DataError(f"the frozen statistics cover {len(means)} features, the input has {len(features)} "
+                            f"({features}); the source's columns changed: start a new workflow state")
     # One train shard per worker; validation is read whole by rank 0; test is spread for Spark evaluation.
     num_shards = {"train": workers, "validation": min(1, totals["validation"]),
                   "test": min(workers, totals["test"])}

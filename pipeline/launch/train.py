@@ -113,7 +113,7 @@ def checkpoint_dir(cfg: PipelineConfig) -> str:
 
 def train(spark, cfg: PipelineConfig, manifest: Manifest,
           on_epoch: Optional[Callable[[dict], None]] = None, *, resume: bool = False,
-          checkpoint_extra: Optional[dict] = None) -> TrainResult:
+          checkpoint_extra: Optional[dict] = None, initial_parameters=None) -> TrainResult:
     """Train on the shard set with `cfg.parallelism.data` barrier workers synchronized by a driver PS.
 
     A failed barrier attempt is retried (up to train.max_attempts) against the same PS, whose state
@@ -147,6 +147,11 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                          world_size=workers, mode=cfg.ps.mode, steps_per_epoch=steps)
     torch.manual_seed(cfg.train.seed)  # every worker starts from the server's copy of this initialization
     initial = flat_parameters(build_model(spec))
+    if initial_parameters is not None:  # a warm start (e.g. from the champion)
+        if initial_parameters.numel() != initial.numel():
+            raise ConfigError(f"warm-start parameters have {initial_parameters.numel()} values, the model "
+                              f"{initial.numel()}; the model.* settings changed: disable workflow.warm_start")
+        initial = initial_parameters.detach().to(torch.float32).reshape(-1).clone()
     consistency = _consistency(cfg)
     expected = expected_version(consistency, steps * cfg.train.epochs, workers)
     bar = StepProgress(lambda: server.version, expected)

@@ -26,7 +26,8 @@ ALLOWED = {
     "session": {"config"},
     "notebook": set(),
     "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints"},
-    "cli": {"config", "session", "steps"},
+    "workflow": {"config", "etl", "shards", "steps"},
+    "cli": {"config", "session", "steps", "workflow"},
 }
 
 

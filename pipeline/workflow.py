@@ -1,0 +1,158 @@
+"""The scheduled workflow: incremental ETL over a date-partitioned source, training, champion/challenger.
+
+State (state.json beside the shards) records each processed partition's input fingerprint (file names,
+sizes, modification times), the statistics and labels frozen at the first partition, and the set of
+partitions the last model was trained on. A rerun on unchanged input does no work and says so; a new or
+changed partition is ETL'd alone, then the model is trained on all partitions together and promoted
+only if it beats the champion on the same test data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config.schema import PipelineConfig
+from pipeline.errors import ConfigError, DataError
+from pipeline.shards import Manifest, load_manifest
+from pipeline.steps import Promotion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkflowOutcome:
+    did_work: bool
+    reason: str
+    partitions: list[str]
+    processed: list[str] = field(default_factory=list)
+    run_id: Optional[str] = None
+    test_metrics: dict = field(default_factory=dict)
+    promotion: Optional[Promotion] = None
+
+
+@dataclass
+class WorkflowState:
+    path: Path
+    partitions: dict = field(default_factory=dict)  # value -> {"fingerprint", "rows", "shards"}
+    means: Optional[list] = None
+    stds: Optional[list] = None
+    labels: Optional[list] = None
+    trained_on: Optional[str] = None  # key of the partition set the last model saw
+
+    @classmethod
+    def load(cls, folder: Path) -> "WorkflowState":
+        path = folder / "state.json"
+        if not path.exists():
+            return cls(path)
+        try:
+            data = json.loads(path.read_text())
+            return cls(path, data["partitions"], data.get("means"), data.get("stds"), data.get("labels"),
+                       data.get("trained_on"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"workflow state {path} is unreadable ({exc}); delete it to reprocess everything") from None
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"partitions": self.partitions, "means": self.means, "stds": self.stds, "labels": self.labels,
+                "trained_on": self.trained_on}
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".state-", suffix=".json")
+        with os.fdopen(fd, "w") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def state_dir(cfg: PipelineConfig) -> Path:
+    return Path(cfg.workflow.state_dir or Path(cfg.workdir) / "workflow" / cfg.name)
+
+
+def discover(root: Path, column: str) -> dict[str, str]:
+    """{partition value: fingerprint of its files} for every `<column>=<value>` folder under root."""
+    if not root.is_dir():
+        raise DataError(f"data.path {root} is not a folder; the workflow reads a source partitioned into "
+                        f"{column}=<value> folders (workflow.partition_column)")
+    found = {}
+    for folder in sorted(root.glob(f"{column}=*")):
+        if not folder.is_dir():
+            continue
+        digest = hashlib.sha256()
+        for file in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith((".", "_"))):
+            stat = file.stat()
+            digest.update(f"{file.relative_to(folder)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+        found[folder.name.split("=", 1)[1]] = "sha256:" + digest.hexdigest()
+    if not found:
+        raise DataError(f"no {column}=<value> partition folders under {root}; set workflow.partition_column "
+                        "or point data.path at the partitioned source")
+    return found
+
+
+def _partition_key(found: dict[str, str]) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()
+
+
+def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
+    """One scheduled run: ETL new partitions, train on all of them, evaluate, promote or not."""
+    from pipeline.etl import run_etl, shards_dir
+    from pipeline.shards.merge import merge_manifests
+
+    if not cfg.data.path or cfg.data.source not in ("parquet", "csv"):
+        raise ConfigError("the workflow needs data.source=parquet or csv and data.path pointing at a source "
+                          f"partitioned into {cfg.workflow.partition_column}=<value> folders")
+    column = cfg.workflow.partition_column
+    root = Path(cfg.data.path)
+    state = WorkflowState.load(state_dir(cfg))
+    found = discover(root, column)
+    key = _partition_key(found)
+    todo = [v for v in found if state.partitions.get(v, {}).get("fingerprint") != found[v]]
+    if not todo and state.trained_on == key:
+        reason = (f"nothing to do: all {len(found)} partition(s) of {root} are unchanged since the last run "
+                  f"and the current model was trained on exactly them (inputs {key[:19]}...)")
+        log.info("%s", reason)
+        return WorkflowOutcome(False, reason, sorted(found))
+    base = shards_dir(cfg)
+    for value in todo:
+        part_cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={
+            "path": str(root / f"{column}={value}"), "shards_dir": str(base / f"{column}={value}"),
+            "classes": state.labels if state.labels is not None else cfg.data.classes})})
+        statistics = (state.means, state.stds) if state.means is not None else None
+        manifest = run_etl(spark, part_cfg, statistics=statistics)
+        if state.means is None:  # frozen at the first partition: every later one is scaled and labelled alike
+            state.means, state.stds = list(manifest.means), list(manifest.stds)
+            state.labels = list(manifest.label_mapping) if manifest.label_mapping is not None else None
+        state.partitions[value] = {"fingerprint": found[value], "rows": manifest.etl_report.get("output_rows"),
+                                   "shards": manifest.root}
+        state.save()  # per partition: a crash later redoes only what is missing
+        log.info("workflow: partition %s=%s processed", column, value)
+    for gone in sorted(set(state.partitions) - set(found)):
+        log.warning("workflow: partition %s=%s is no longer in %s; training without it", column, gone, root)
+        del state.partitions[gone]
+    merged = merge_manifests([load_manifest(base / f"{column}={v}") for v in sorted(found)], base, cfg.name)
+    outcome = train_and_promote(spark, cfg, merged, processed=todo)
+    state.trained_on = key
+    state.save()
+    return dataclasses.replace(outcome, partitions=sorted(found),
+                               reason=f"processed {len(todo)} new/changed partition(s) {todo}; trained on "
+                                      f"{len(found)} partition(s); {outcome.promotion.reason}")
+
+
+def train_and_promote(spark, cfg: PipelineConfig, manifest: Manifest, processed: list[str]) -> WorkflowOutcome:
+    from pipeline import steps
+
+    initial = None
+    if cfg.workflow.warm_start:
+        champion = steps.champion_model(spark, cfg)
+        if champion is not None:
+            initial = champion[1]
+            log.info("workflow: warm start from the champion's parameters")
+    # Registration is the promotion step's job, not log_model's.
+    train_cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"registered_model": None})})
+    outcome = steps.train_and_evaluate(spark, train_cfg, manifest, initial_parameters=initial,
+                                       tags={"shardline.workflow.processed": ",".join(processed) or "-"})
+    promotion = steps.promote(spark, cfg, manifest, outcome.run_id, outcome.model_uri)
+    return WorkflowOutcome(True, "", [], processed, outcome.run_id, outcome.test_metrics, promotion)
