@@ -99,7 +99,7 @@ def load_saved_model(cfg: PipelineConfig):
     return ModelSpec.from_dict(state["spec"]), state["parameters"], run_id
 
 
-def _tracking_uri(cfg: PipelineConfig) -> str:
+def tracking_uri(cfg: PipelineConfig) -> str:
     from pipeline.tracking import resolve_tracking_uri
 
     return resolve_tracking_uri(cfg.tracking.uri, cfg.workdir)
@@ -184,7 +184,7 @@ def train(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome:
 
     manifest = load_shards(cfg)
     run_id = _resume_run_id(cfg, resume)
-    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
+    with start_run(tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
         result = _train_into(run, spark, cfg, manifest, resume)
         model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
         _record_model_uri(cfg, run.run_id, model_uri)
@@ -197,7 +197,7 @@ def evaluate(spark, cfg: PipelineConfig):
 
     manifest = load_shards(cfg)
     spec, parameters, run_id = load_saved_model(cfg)
-    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
+    with start_run(tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
         evaluation = _evaluate_into(run, spark, cfg, manifest, spec, parameters)
     return PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, 0.0)
 
@@ -213,7 +213,7 @@ def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest, resume: b
     from pipeline.tracking import start_run
 
     run_id = _resume_run_id(cfg, resume)
-    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
+    with start_run(tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
         if tags:
             run.set_tags(tags)
         result = _train_into(run, spark, cfg, manifest, resume, initial_parameters)
@@ -236,7 +236,7 @@ def champion_model(spark, cfg: PipelineConfig):
     from pipeline.models import ModelSpec
     from pipeline.tracking.registry import CHAMPION, alias_version, download
 
-    uri = _tracking_uri(cfg)
+    uri = tracking_uri(cfg)
     champion = alias_version(uri, registered_name(cfg), CHAMPION)
     if champion is None:
         return None
@@ -281,7 +281,7 @@ def promote(spark, cfg: PipelineConfig, manifest: Optional[Manifest] = None, run
             alias = CHAMPION if better else CHALLENGER
             reason = (f"test {w.metric} {new:.4f} {verb} the champion's (version {champion[2].version}) {old:.4f} "
                       f"by more than workflow.margin={w.margin:g} on the same {manifest.split('test').rows} rows")
-    uri = _tracking_uri(cfg)
+    uri = tracking_uri(cfg)
     version = register(uri, model_uri, registered_name(cfg), run_id, tags={"shardline.fingerprint": manifest.fingerprint})
     set_alias(uri, version, alias, reason)
     with start_run(uri, cfg.tracking.experiment, run_id=run_id) as run:

@@ -133,7 +133,14 @@ def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
         log.warning("workflow: partition %s=%s is no longer in %s; training without it", column, gone, root)
         del state.partitions[gone]
     merged = merge_manifests([load_manifest(base / f"{column}={v}") for v in sorted(found)], base, cfg.name)
-    outcome = train_and_promote(spark, cfg, merged, processed=todo)
+    with _parent_run(cfg) as parent:
+        parent.set_tags({"shardline.workflow.processed": ",".join(todo) or "-",
+                         "shardline.workflow.partitions": str(len(found)), "shardline.fingerprint": merged.fingerprint})
+        outcome = train_and_promote(spark, cfg, merged, processed=todo, parent_run_id=parent.run_id)
+        parent.log_metrics({f"test_{k}": v for k, v in outcome.test_metrics.items()})
+        parent.set_tags({"shardline.promotion": outcome.promotion.alias,
+                         "shardline.promotion_reason": outcome.promotion.reason,
+                         "shardline.registered_version": outcome.promotion.version})
     state.trained_on = key
     state.save()
     return dataclasses.replace(outcome, partitions=sorted(found),
@@ -141,7 +148,16 @@ def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
                                       f"{len(found)} partition(s); {outcome.promotion.reason}")
 
 
-def train_and_promote(spark, cfg: PipelineConfig, manifest: Manifest, processed: list[str]) -> WorkflowOutcome:
+def _parent_run(cfg: PipelineConfig):
+    """The workflow's own MLflow run; training/evaluation/promotion is a nested run under it."""
+    from pipeline.steps import tracking_uri
+    from pipeline.tracking import start_run
+
+    return start_run(tracking_uri(cfg), cfg.tracking.experiment, f"workflow {cfg.name}")
+
+
+def train_and_promote(spark, cfg: PipelineConfig, manifest: Manifest, processed: list[str],
+                      parent_run_id: Optional[str] = None) -> WorkflowOutcome:
     from pipeline import steps
 
     initial = None
@@ -152,7 +168,9 @@ def train_and_promote(spark, cfg: PipelineConfig, manifest: Manifest, processed:
             log.info("workflow: warm start from the champion's parameters")
     # Registration is the promotion step's job, not log_model's.
     train_cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"registered_model": None})})
-    outcome = steps.train_and_evaluate(spark, train_cfg, manifest, initial_parameters=initial,
-                                       tags={"shardline.workflow.processed": ",".join(processed) or "-"})
+    tags = {"shardline.workflow.processed": ",".join(processed) or "-"}
+    if parent_run_id:
+        tags["shardline.workflow.run_id"] = parent_run_id
+    outcome = steps.train_and_evaluate(spark, train_cfg, manifest, initial_parameters=initial, tags=tags)
     promotion = steps.promote(spark, cfg, manifest, outcome.run_id, outcome.model_uri)
     return WorkflowOutcome(True, "", [], processed, outcome.run_id, outcome.test_metrics, promotion)

@@ -6,6 +6,10 @@ import threading
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
+# Forwarded worker lines get their own logger, so a deployment can route or silence them.
+worker_log = logging.getLogger("pipeline.worker.remote")
+MAX_FORWARDED_LINES = 200
+MAX_FORWARDED_CHARS = 2000
 
 
 class EpochProgress:
@@ -23,6 +27,10 @@ class EpochProgress:
         self._on_epoch = on_epoch
 
     def __call__(self, rank: int, metrics: dict) -> None:
+        lines = metrics.get("log")
+        if isinstance(lines, list):  # worker log lines streamed over the PS connection
+            for line in lines[:MAX_FORWARDED_LINES]:
+                worker_log.info("[rank %d] %s", rank, str(line)[:MAX_FORWARDED_CHARS])
         if "epoch" not in metrics:
             return
         with self._lock:
@@ -65,6 +73,13 @@ class EpochProgress:
             row["staleness_max"] = max(r["staleness_max"] for r in reports.values())
             row["staleness_mean"] = sum(r.get("staleness_mean", 0.0) for r in reports.values()) / len(reports)
         row["step_min"] = min(r["step"] for r in reports.values())
+        # Per worker, as step metrics: where a slow rank or a waiting rank shows up.
+        for rank, r in sorted(reports.items()):
+            row[f"rank{rank}/samples_per_s"] = r["samples"] / max(r["seconds"], 1e-9)
+            row[f"rank{rank}/train_loss"] = r["train_loss"]
+            for key in ("wait_s", "staleness_mean", "step_time_s"):
+                if key in r:
+                    row[f"rank{rank}/{key}"] = r[key]
         for key in ("val_loss", "val_accuracy"):
             values = [r[key] for r in reports.values() if key in r]
             if values:

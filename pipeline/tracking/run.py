@@ -262,17 +262,19 @@ def start_run(tracking_uri: str, experiment: str, run_name: str | None = None,
 
     mlflow.set_tracking_uri(tracking_uri)
     client = MlflowClient(tracking_uri)
+    # Started inside another run (the workflow's): a nested run, shown under it.
+    nested = mlflow.active_run() is not None
     if run_id is not None:
         try:
             experiment_id = client.get_run(run_id).info.experiment_id
         except Exception as exc:
             raise TrackingError(f"cannot reopen MLflow run {run_id} at {tracking_uri} ({exc}); "
                                 "run the train step again or point tracking.uri at its store") from None
-        run = mlflow.start_run(run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()})
+        run = mlflow.start_run(run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()}, nested=nested)
     else:
         experiment_id = _experiment_id(client, tracking_uri, experiment)
         run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name,
-                               tags={k: str(v) for k, v in (tags or {}).items()})
+                               tags={k: str(v) for k, v in (tags or {}).items()}, nested=nested)
     logger.info("started run %s (%s) in experiment %s at %s", run.info.run_id, run.info.run_name,
                 experiment, tracking_uri)
     return TrackedRun(client, run.info.run_id, experiment_id, tracking_uri)

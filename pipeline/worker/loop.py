@@ -72,6 +72,45 @@ def _maybe_slow_down(plan: WorkerPlan) -> None:
         time.sleep(float(plan.extra.get("slow_s", 0.0)))
 
 
+class _LogForwarder(logging.Handler):
+    """Buffers this worker's log lines for the driver; `take()` hands them over (best effort)."""
+
+    def __init__(self, level: int, limit: int = 200):
+        super().__init__(level)
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self._lines: list[str] = []
+        self._limit = limit
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if len(self._lines) < self._limit:
+                self._lines.append(self.format(record))
+            else:
+                self.dropped += 1
+        except Exception:  # a log line must never fail training
+            pass
+
+    def take(self) -> list[str]:
+        lines, self._lines = self._lines, []
+        if self.dropped:
+            lines.append(f"({self.dropped} more log lines dropped)")
+            self.dropped = 0
+        return lines
+
+
+def _forward_logs(client, forwarder: _LogForwarder) -> None:
+    lines = forwarder.take()
+    if lines:
+        try:
+            client.report({"log": lines})
+        except Exception:  # best effort: streaming logs never fails the job
+            log.debug("could not forward %d log lines to the driver", len(lines), exc_info=True)
+
+
+FORWARD_EVERY_S = 2.0
+
+
 def make_train_loader(plan: WorkerPlan):
     """This rank's streaming loader: row groups read on demand, bounded shuffle buffer, prefetch thread.
 
@@ -136,12 +175,25 @@ def _process_group(rendezvous, plan: WorkerPlan, device: str):
 
 def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, total_steps: int, device: str,
            level: int, started: float) -> WorkerResult:
+    # Rank 0's INFO lines and every rank's warnings go to the driver's log while training runs.
+    forwarder = _LogForwarder(logging.INFO if plan.rank == 0 else logging.WARNING)
+    logging.getLogger("pipeline").addHandler(forwarder)
+    try:
+        return _train_loop(plan, client, info, model, loss, loader, validation, total_steps, device, level,
+                           started, forwarder)
+    finally:
+        logging.getLogger("pipeline").removeHandler(forwarder)
+
+
+def _train_loop(plan: WorkerPlan, client, info, model, loss, loader, validation, total_steps: int, device: str,
+                level: int, started: float, forwarder: _LogForwarder) -> WorkerResult:
     import torch
 
     from pipeline.worker.exchange import make_exchange
 
     samples = 0
     last_loss = float("nan")
+    last_forward = time.monotonic()
     exchange = make_exchange(client, info, model, total_steps, plan.optimizer, plan.backend)
     step = exchange.start()
     forward = model
@@ -173,16 +225,21 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, tota
             step = exchange.after_backward(step)
             loss_sum += batch_loss.item() * len(x)
             epoch_samples += len(x)
+            if time.monotonic() - last_forward > FORWARD_EVERY_S:
+                _forward_logs(client, forwarder)
+                last_forward = time.monotonic()
         seconds = time.perf_counter() - epoch_started
         last_loss = loss_sum / max(epoch_samples, 1)
         samples += epoch_samples
+        epoch_steps = plan.steps_per_epoch - (skip if epoch == first_epoch else 0)
         metrics = {"epoch": epoch, "step": step, "train_loss": last_loss, "samples": epoch_samples,
-                   "seconds": seconds, **exchange.stats.take()}
+                   "seconds": seconds, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take()}
         if validation is not None:
             metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
-        client.report(metrics)
         log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,
                 epoch_samples / max(seconds, 1e-9))
+        client.report({**metrics, "log": forwarder.take()})
+        last_forward = time.monotonic()
     digest = parameters = None
     if plan.backend == "allreduce":
         import hashlib

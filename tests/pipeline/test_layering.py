@@ -26,7 +26,7 @@ ALLOWED = {
     "session": {"config"},
     "notebook": set(),
     "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints"},
-    "workflow": {"config", "etl", "shards", "steps"},
+    "workflow": {"config", "etl", "shards", "steps", "tracking"},
     "cli": {"config", "session", "steps", "workflow"},
 }
 

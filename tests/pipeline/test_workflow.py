@@ -49,6 +49,7 @@ def test_incremental_workflow_promotes_by_the_metric_rule(spark, mlflow_server, 
 
     client = MlflowClient(mlflow_server)
     runs_before = len(client.search_runs([client.get_experiment_by_name("nightly").experiment_id]))
+    assert runs_before == 2  # the workflow's run and its nested training run
     second = run_workflow(spark, config(0.0))
     assert not second.did_work and "nothing to do" in second.reason and "unchanged" in second.reason
     assert len(client.search_runs([client.get_experiment_by_name("nightly").experiment_id])) == runs_before
@@ -62,6 +63,11 @@ def test_incremental_workflow_promotes_by_the_metric_rule(spark, mlflow_server, 
     assert client.get_model_version_by_alias("digits", "challenger").version == third.promotion.version
     tags = client.get_run(third.run_id).data.tags
     assert tags["shardline.promotion"] == "challenger" and "does not beat" in tags["shardline.promotion_reason"]
+    parent = client.get_run(tags["mlflow.parentRunId"])  # training ran nested under the workflow's run
+    assert parent.data.tags["shardline.workflow.processed"] == "2026-11-03"
+    assert parent.data.tags["shardline.promotion"] == "challenger" and "test_accuracy" in parent.data.metrics
+    history = client.get_metric_history(third.run_id, "rank1/wait_s")  # per-worker step metrics
+    assert [m.step for m in history] == [0, 1, 2, 3]
 
     _land(source, "2026-11-04")
     fourth = run_workflow(spark, config(-1.0))  # any model beats the champion by more than -1

@@ -43,3 +43,20 @@ def test_step_bar_draws_on_a_terminal():
 
         time.sleep(0.2)
     assert "\r[" in stream.getvalue() and "/5 steps" in stream.getvalue()
+
+
+def test_worker_log_lines_reach_the_driver_log_and_per_rank_metrics_are_kept(caplog):
+    import logging
+
+    from pipeline.launch.progress import EpochProgress
+
+    rows = []
+    progress = EpochProgress(2, 1, rows.append)
+    with caplog.at_level(logging.INFO, logger="pipeline.worker.remote"):
+        progress(1, {"log": ["WARNING pipeline.data: slow disk"] * 3})
+        for rank in (0, 1):
+            progress(rank, {"epoch": 0, "step": 10, "train_loss": 0.5, "samples": 100, "seconds": 2.0,
+                            "wait_s": 0.1 * (rank + 1), "step_time_s": 0.2, "log": []})
+    assert caplog.text.count("[rank 1] WARNING pipeline.data: slow disk") == 3
+    [row] = rows
+    assert row["rank0/wait_s"] == 0.1 and row["rank1/wait_s"] == 0.2 and row["rank1/samples_per_s"] == 50.0

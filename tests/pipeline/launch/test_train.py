@@ -43,9 +43,13 @@ def test_a_raising_worker_gives_one_exception_naming_its_rank(spark, shards):
     assert _ps_threads() == []
 
 
-def test_training_after_a_failure_succeeds_and_runs_planned_steps(spark, shards):
+def test_training_after_a_failure_succeeds_and_runs_planned_steps(spark, shards, caplog):
+    import logging
+
     cfg, manifest = shards
-    result = train(spark, cfg, manifest)
+    with caplog.at_level(logging.INFO, logger="pipeline.worker.remote"):
+        result = train(spark, cfg, manifest)
+    assert "[rank 0] INFO pipeline.worker.loop: rank 0 epoch 1: loss" in caplog.text  # streamed worker lines
     steps = -(-min(s.rows for s in manifest.split("train").shards) // cfg.train.batch_size)
     assert result.steps == steps * cfg.train.epochs
     assert [r["rank"] for r in result.ranks] == [0, 1] and all(r["ok"] for r in result.ranks)
