@@ -3,7 +3,7 @@
 # MAGIC # shardline quickstart
 # MAGIC Spark ETL of the handwritten digits into balanced shards, 2 barrier workers synchronized by the
 # MAGIC driver's parameter server, evaluation in Spark, and one MLflow run with everything in it.
-# MAGIC Runs in Databricks (widgets) and as a plain script: `python notebooks/quickstart.py`.
+# MAGIC Runs in Databricks (widgets) and as a plain script: `python notebooks/01_quickstart.py`.
 
 # COMMAND ----------
 
@@ -11,7 +11,7 @@ from pipeline.notebook import widget
 
 config_path = widget("config", "conf/digits.yaml", globals().get("dbutils"))
 workers = widget("workers", "2", globals().get("dbutils"))
-epochs = widget("epochs", "20", globals().get("dbutils"))
+epochs = widget("epochs", "5", globals().get("dbutils"))
 extra = widget("overrides", "", globals().get("dbutils"))
 
 # COMMAND ----------

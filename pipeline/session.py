@@ -19,6 +19,10 @@ def get_or_create_spark(config: SparkConfig):
     # Executors must run this interpreter, or they miss the packages installed next to it.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if config.master.startswith("sc://"):  # a Spark Connect server: a remote session, no SparkContext
+        spark = SparkSession.builder.remote(config.master).getOrCreate()
+        log.info("spark connect session: %s, version %s", config.master, spark.version)
+        return spark
     builder = SparkSession.builder.appName(config.app_name)
     # Under spark-submit the JVM gateway already exists and --master must win over the config.
     if "PYSPARK_GATEWAY_PORT" not in os.environ:

@@ -28,6 +28,18 @@ def _spec(data: DataConfig) -> dict:
     return {**data.synthetic.model_dump(exclude=exclude), "task": data.task}
 
 
+def default_parallelism(spark) -> int:
+    """The session's default parallelism, also on Spark Connect (which has no SparkContext)."""
+    try:
+        return spark.sparkContext.defaultParallelism
+    except Exception:
+        try:
+            configured = int(spark.conf.get("spark.default.parallelism", "0") or 0)
+        except Exception:  # unset or unreadable through Connect
+            configured = 0
+        return configured or os.cpu_count() or 2
+
+
 def synthetic_raw_path(data: DataConfig, workdir: str) -> Path:
     if data.path:
         return Path(data.path)
@@ -48,7 +60,7 @@ def generate(spark, data: DataConfig, workdir: str, force: bool = False) -> Path
         return target
     s = data.synthetic
     classification = data.task == "classification"
-    partitions = s.partitions or spark.sparkContext.defaultParallelism
+    partitions = s.partitions or default_parallelism(spark)
     started = time.perf_counter()
     staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:12]}"
     target.parent.mkdir(parents=True, exist_ok=True)
