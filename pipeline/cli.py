@@ -22,6 +22,8 @@ COMMANDS = {
     "run": "etl, train and evaluate in one MLflow run",
     "promote": "register the last trained model; alias champion if it beats the champion on the test split, "
                "else challenger",
+    "score": "score a Parquet path or table with a tracked model (--model models:/NAME@champion --input ... "
+             "--output ...); Parquet predictions written atomically",
     "workflow": "scheduled run: ETL only new date partitions, train on all, evaluate, promote (no-op when "
                 "nothing changed)",
 }
@@ -36,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--base", default=None, help="base config (default: base.yaml beside --config)")
         cmd.add_argument("--log-level", default="INFO", help="driver log level (default INFO)")
         cmd.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+        if name == "score":
+            cmd.add_argument("--model", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID")
+            cmd.add_argument("--input", required=True, help="Parquet path or table name")
+            cmd.add_argument("--output", required=True,
+                             help="output Parquet folder (must not exist unless score.overwrite=true)")
         if name in ("train", "run"):
             cmd.add_argument("--resume", action="store_true",
                              help="continue from the newest checkpoint in train.checkpoint_dir (same shards, "
@@ -52,7 +59,8 @@ def configure_logging(level: str) -> None:
 
 
 def run_command(command: str, config: Optional[str], overrides: Sequence[str], base: Optional[str] = None,
-                resume: bool = False):
+                resume: bool = False, model: Optional[str] = None, input: Optional[str] = None,
+                output: Optional[str] = None):
     """Load the config, get the Spark session and run one step; returns what the step returned."""
     from pipeline import steps
     from pipeline.config import load
@@ -70,6 +78,10 @@ def run_command(command: str, config: Optional[str], overrides: Sequence[str], b
         return steps.evaluate(spark, cfg)
     if command == "promote":
         return steps.promote(spark, cfg)
+    if command == "score":
+        from pipeline.score import score
+
+        return score(spark, cfg, model, input, output)
     if command == "workflow":
         from pipeline.workflow import run_workflow
 
@@ -78,6 +90,11 @@ def run_command(command: str, config: Optional[str], overrides: Sequence[str], b
 
 
 def _report(command: str, outcome) -> None:
+    if command == "score":
+        print(f"scored {outcome.input_rows} rows with {outcome.model_uri} (run {outcome.run_id}) -> {outcome.output}")
+        print(f"scored={outcome.scored_rows} invalid={outcome.invalid_rows} {outcome.invalid_by_column} "
+              f"written={outcome.written_rows} rows/s={outcome.rows_per_s:.0f}")
+        return
     if command == "promote":
         print(f"model version {outcome.version}: {outcome.alias} ({outcome.reason})")
         return
@@ -108,7 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging(args.log_level)
     try:
         outcome = run_command(args.command, args.config, args.overrides, args.base,
-                              resume=getattr(args, "resume", False))
+                              resume=getattr(args, "resume", False), model=getattr(args, "model", None),
+                              input=getattr(args, "input", None), output=getattr(args, "output", None))
     except ShardlineError as exc:
         log.error("%s", exc)
         print(f"shardline {args.command} failed: {exc}", file=sys.stderr)

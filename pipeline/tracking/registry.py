@@ -62,3 +62,51 @@ def set_alias(tracking_uri: str, version: RegisteredVersion, alias: str, reason:
 def download(tracking_uri: str, run_id: str, artifact_path: str, destination: str) -> str:
     """A run's artifact as a local file path."""
     return _client(tracking_uri).download_artifacts(run_id, artifact_path, destination)
+
+
+def resolve_model(tracking_uri: str, model_uri: str) -> RegisteredVersion:
+    """The registered version (and its training run) behind a model URI.
+
+    Accepts `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `models:/NAME/latest`, `models:/m-<id>` (an MLflow 3
+    logged model; version "") and `runs:/RUN_ID[/...]` (name and version ""). Raises TrackingError naming
+    what is missing (unknown model, alias or version) and what exists.
+    """
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.tracking.run import TrackingError
+
+    client = _client(tracking_uri)
+    if model_uri.startswith("runs:/"):
+        run_id = model_uri[len("runs:/"):].split("/", 1)[0]
+        if not run_id:
+            raise TrackingError(f"model URI {model_uri!r} names no run id (expected runs:/RUN_ID)")
+        return RegisteredVersion("", "", run_id)
+    if not model_uri.startswith("models:/"):
+        raise TrackingError(f"model URI {model_uri!r}: expected models:/NAME@ALIAS, models:/NAME/VERSION, "
+                            "models:/m-<id> or runs:/RUN_ID")
+    rest = model_uri[len("models:/"):].rstrip("/")
+    try:
+        if rest.startswith("m-") and "@" not in rest and "/" not in rest:
+            logged = client.get_logged_model(rest)
+            return RegisteredVersion("", "", logged.source_run_id)
+        if "@" in rest:
+            name, alias = rest.rsplit("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = rest.rpartition("/")
+            if not name:
+                raise TrackingError(f"model URI {model_uri!r} names no version or alias "
+                                    "(use models:/NAME@champion or models:/NAME/3)")
+            if number == "latest":
+                versions = client.search_model_versions(f"name='{name}'")
+                if not versions:
+                    raise TrackingError(f"registered model {name!r} has no versions ({tracking_uri})")
+                version = max(versions, key=lambda v: int(v.version))
+            else:
+                version = client.get_model_version(name, number)
+    except MlflowException as exc:
+        raise TrackingError(f"cannot resolve model URI {model_uri!r} at {tracking_uri}: {exc.message}") from None
+    if not version.run_id:
+        raise TrackingError(f"{model_uri} (version {version.version}) records no training run; shardline needs "
+                            "the run's shardline/model.pt and data/manifest.json artifacts")
+    return RegisteredVersion(version.name, str(version.version), version.run_id)

@@ -27,7 +27,9 @@ ALLOWED = {
     "notebook": set(),
     "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints"},
     "workflow": {"config", "etl", "shards", "steps", "tracking"},
-    "cli": {"config", "session", "steps", "workflow"},
+    "cli": {"config", "session", "steps", "workflow", "score"},
+    "spark_ml": {"config", "etl", "launch", "evaluate", "models"},
+    "score": {"config", "shards", "models", "tracking"},
 }
 
 

@@ -1,0 +1,337 @@
+"""Batch scoring with a tracked model: `shardline score --model models:/NAME@champion --input ... --output ...`.
+
+The model URI is resolved through the registry to its training run, whose artifacts hold everything needed:
+`shardline/model.pt` (the ModelSpec + flat fp32 parameters) and `data/manifest.json` (the feature columns,
+the train-split means/stds the ETL standardized with, and the label mapping). The input (a Parquet path or
+a table name, any size) is read by Spark; the manifest's feature columns are selected and cast to double;
+one Arrow UDF (udfs/score.py) per partition flags rows with null/NaN/inf features, standardizes the rest
+exactly as the ETL did, runs batched inference with a model built once per Python worker, and maps class
+indices back to the original label values. Predictions are written as Parquet to a hidden staging folder
+next to the output and renamed into place, so a reader never sees a half-written output.
+
+Invalid rows follow `score.invalid_rows`: drop (left out, counted per column), reject (a pre-pass counts
+them and fails before anything is written), keep_null (written with null predictions, counted). They are
+never scored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from pipeline.config.schema import PipelineConfig
+from pipeline.errors import DataError, ShardlineError
+from pipeline.shards import MANIFEST_NAME, Manifest, load_manifest
+
+log = logging.getLogger(__name__)
+
+MODEL_ARTIFACT = "shardline/model.pt"  # written by pipeline.steps._train_into (MODEL_ARTIFACT_DIR)
+MANIFEST_ARTIFACT = f"data/{MANIFEST_NAME}"
+
+
+@dataclass
+class ScoreResult:
+    model_uri: str
+    run_id: str
+    output: str
+    input_rows: int
+    scored_rows: int
+    invalid_rows: int
+    invalid_by_column: dict[str, int]
+    written_rows: int
+    seconds: float
+    rows_per_s: float
+    mlflow_run_id: Optional[str] = None
+    columns: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ScoringModel:
+    """What the UDF needs, as plain values: spec dict, parameter bytes, and the manifest's preprocessing."""
+    spec: dict[str, Any]
+    parameters: bytes
+    manifest: Manifest
+    run_id: str
+    version: str = ""
+
+    @property
+    def digest(self) -> str:
+        h = hashlib.sha256(json.dumps(self.spec, sort_keys=True, default=str).encode())
+        h.update(self.parameters)
+        return h.hexdigest()
+
+
+def build_torch_model(spec: dict, parameters: bytes):
+    """An eval-mode torch module from a spec dict and flat fp32 parameter bytes (runs on executors)."""
+    import torch
+
+    from pipeline.models import ModelSpec, build_model, load_flat_parameters
+
+    model = build_model(ModelSpec.from_dict(spec))
+    load_flat_parameters(model, torch.from_numpy(np.frombuffer(parameters, dtype=np.float32).copy()))
+    model.eval()
+    return model
+
+
+def _tracking_uri(cfg: PipelineConfig) -> str:
+    from pipeline.tracking import resolve_tracking_uri
+
+    return resolve_tracking_uri(cfg.tracking.uri, cfg.workdir)
+
+
+def load_scoring_model(cfg: PipelineConfig, model_uri: str) -> ScoringModel:
+    """Resolve `model_uri` to its training run and load model.pt + the manifest from its artifacts."""
+    import torch
+
+    from pipeline.models import ModelSpec
+    from pipeline.tracking.registry import download, resolve_model
+
+    uri = _tracking_uri(cfg)
+    version = resolve_model(uri, model_uri)
+    with tempfile.TemporaryDirectory(prefix="shardline-score-") as tmp:
+        try:
+            model_path = download(uri, version.run_id, MODEL_ARTIFACT, os.path.join(tmp, "model"))
+            manifest_path = download(uri, version.run_id, MANIFEST_ARTIFACT, os.path.join(tmp, "data"))
+        except Exception as exc:  # mlflow raises its own types; say which artifact is missing
+            raise ShardlineError(f"{model_uri} (run {version.run_id}) lacks the artifacts shardline scores with "
+                                 f"({MODEL_ARTIFACT}, {MANIFEST_ARTIFACT}): {exc}; was it trained by shardline?") \
+                from None
+        state = torch.load(model_path, weights_only=True)
+        manifest = _manifest_without_files(Path(manifest_path).parent)
+    spec = ModelSpec.from_dict(state["spec"])
+    parameters = state["parameters"].detach().cpu().to(torch.float32).contiguous().numpy().tobytes()
+    if spec.num_features != manifest.num_features:
+        raise ShardlineError(f"{model_uri}: the model takes {spec.num_features} features but its manifest lists "
+                             f"{manifest.num_features}; the run's artifacts are inconsistent")
+    return ScoringModel(spec.to_dict(), parameters, manifest, version.run_id, version.version)
+
+
+def _manifest_without_files(folder: Path) -> Manifest:
+    """The manifest from a downloaded artifact: its shard files are not here, only its metadata matters."""
+    from pipeline.errors import ManifestError
+
+    try:
+        return load_manifest(folder)
+    except ManifestError as exc:
+        if "are missing" not in str(exc):
+            raise
+    data = json.loads((folder / MANIFEST_NAME).read_text())
+    data["splits"] = {}  # the shard files live with the training run's shard set, not needed to score
+    (folder / MANIFEST_NAME).write_text(json.dumps(data))
+    return load_manifest(folder)
+
+
+def _read_input(spark, source: str):
+    """A Parquet path (anything with a path separator, a scheme or that exists) or a table name."""
+    if "://" in source or os.sep in source or source.endswith(".parquet") or os.path.exists(source):
+        if "://" not in source and not os.path.exists(source):
+            raise DataError(f"score input {source} does not exist")
+        return spark.read.parquet(source)
+    return spark.table(source)
+
+
+def _label_values(manifest: Manifest):
+    """Label mapping back to values: int64 if every label is an integer (numeric labels), else text."""
+    import pyarrow as pa
+
+    values = list(manifest.label_mapping or [])
+    try:
+        ints = [int(v) for v in values]
+        if all(str(i) == v for i, v in zip(ints, values)):
+            return ints, pa.int64(), "bigint"
+    except ValueError:
+        pass
+    return values, pa.string(), "string"
+
+
+def _quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _prepare(df, features: list[str], keep: list[str], source: str):
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import NumericType, StringType
+
+    missing = [c for c in features if c not in df.columns]
+    if missing:
+        raise DataError(f"score input {source} lacks {len(missing)} of the model's feature columns: {missing} "
+                        f"(columns present: {df.columns}); the model was trained on {features}")
+    missing_keep = [c for c in keep if c not in df.columns]
+    if missing_keep:
+        raise DataError(f"score.keep_columns {missing_keep} are not in the input {source} (columns: {df.columns})")
+    clash = [c for c in keep if c in ("prediction", "probability")]
+    if clash:
+        raise DataError(f"score.keep_columns {clash} clash with the output columns prediction/probability")
+    exprs = [F.col(_quote(c)) for c in keep if c not in features]
+    for c in features:
+        dtype = df.schema[c].dataType
+        if isinstance(dtype, NumericType):
+            exprs.append(F.col(_quote(c)).cast("double").alias(c))
+        elif isinstance(dtype, StringType):  # non-numeric text becomes null: an invalid row
+            exprs.append(F.expr(f"try_cast({_quote(c)} as double)").alias(c))
+        else:
+            raise DataError(f"feature column {c!r} of {source} has type {dtype.simpleString()}, not a number")
+    return df.select(*exprs)
+
+
+def _invalid_counts(df, features: list[str]) -> tuple[int, dict[str, int]]:
+    """(invalid rows, invalid values per column) by one Spark aggregate (the reject pre-pass)."""
+    from pyspark.sql import functions as F
+
+    def bad(c):
+        col = F.col(_quote(c))
+        return col.isNull() | F.isnan(col) | (F.abs(col) == float("inf"))
+
+    any_bad = None
+    aggs = []
+    for c in features:
+        aggs.append(F.sum(bad(c).cast("long")).alias(c))
+        any_bad = bad(c) if any_bad is None else (any_bad | bad(c))
+    row = df.agg(F.sum(any_bad.cast("long")).alias("__rows"), *aggs).collect()[0]
+    return int(row["__rows"] or 0), {c: int(row[c] or 0) for c in features if row[c]}
+
+
+class _FS:
+    """Existence, rename and delete for the output: local paths with os, other schemes with Hadoop's FS."""
+
+    def __init__(self, spark, path: str):
+        self.local = "://" not in path or path.startswith("file://")
+        self.path = path[len("file://"):] if path.startswith("file://") else path
+        if not self.local:
+            jvm = spark.sparkContext._jvm
+            self._Path = jvm.org.apache.hadoop.fs.Path
+            self._fs = self._Path(path).getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+
+    def sibling(self, prefix: str) -> str:
+        parent, name = os.path.split(self.path.rstrip("/"))
+        return os.path.join(parent, f".{name}.{prefix}-{uuid.uuid4().hex[:12]}")
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path) if self.local else self._fs.exists(self._Path(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.local:
+            os.rename(src, dst)
+        elif not self._fs.rename(self._Path(src), self._Path(dst)):
+            raise ShardlineError(f"could not rename {src} to {dst}")
+
+    def delete(self, path: str) -> None:
+        if self.local:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            self._fs.delete(self._Path(path), True)
+
+
+class _VectorSum:
+    """An AccumulatorParam (zero, addInPlace) of equal-length count lists; module level, so pickled by
+    reference."""
+
+    def zero(self, value):
+        return [0] * len(value)
+
+    def addInPlace(self, a, b):
+        return [x + y for x, y in zip(a, b)]
+
+
+def _vector_accumulator(spark, width: int):
+    try:
+        context = spark.sparkContext
+    except Exception:  # Spark Connect: no accumulators; counts then come from the written output
+        return None
+    return context.accumulator([0] * width, _VectorSum())  # duck-typed AccumulatorParam
+
+
+def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -> ScoreResult:
+    """Score `input` (Parquet path or table) with `model_uri`, writing Parquet predictions to `output`."""
+    from udfs.score import make_score_fn
+
+    sc = cfg.score
+    started = time.perf_counter()
+    model = load_scoring_model(cfg, model_uri)
+    manifest = model.manifest
+    features = list(manifest.feature_columns)
+    keep = list(dict.fromkeys(sc.keep_columns))
+    fs = _FS(spark, output)
+    if fs.exists(fs.path) and not sc.overwrite:
+        raise ShardlineError(f"score output {output} exists; remove it or set score.overwrite=true")
+    df = _prepare(_read_input(spark, input), features, keep, input)
+
+    if sc.invalid_rows == "reject":
+        bad_rows, by_column = _invalid_counts(df, features)
+        if bad_rows:
+            raise DataError(f"score.invalid_rows=reject: {bad_rows} rows of {input} have null/NaN/inf features "
+                            f"(per column: {by_column}); nothing was written. Fix the input, or set "
+                            "score.invalid_rows=drop (leave them out) or keep_null (write null predictions)")
+
+    classification = manifest.task == "classification"
+    labels, label_arrow, label_ddl = _label_values(manifest) if classification else (None, None, None)
+    ddl = ", ".join([f"{_quote(c)} {df.schema[c].dataType.simpleString()}" for c in keep] +
+                    [f"prediction {label_ddl if classification else 'double'}"] +
+                    (["probability array<float>"] if classification and sc.probabilities else []))
+    counter = _vector_accumulator(spark, 3 + len(features))
+    fn = make_score_fn(features, build_torch_model, model.spec, model.parameters, model.digest,
+                       manifest.means if manifest.standardized else None,
+                       manifest.stds if manifest.standardized else None,
+                       manifest.task, labels, label_arrow, keep, sc.invalid_rows, sc.batch_size,
+                       sc.threads_per_worker, sc.probabilities, counter)
+    staging = fs.sibling("staging")
+    try:
+        df.mapInArrow(fn, ddl).write.mode("errorifexists").parquet(staging)
+        if fs.exists(fs.path):
+            if not sc.overwrite:
+                raise ShardlineError(f"score output {output} appeared while scoring; the predictions stay "
+                                     f"unpublished (set score.overwrite=true)")
+            trash = fs.sibling("replaced")
+            fs.rename(fs.path, trash)
+            fs.rename(staging, fs.path)
+            fs.delete(trash)
+        else:
+            fs.rename(staging, fs.path)
+    except BaseException:
+        fs.delete(staging)
+        raise
+    seconds = time.perf_counter() - started
+
+    if counter is not None:
+        counts = counter.value
+        input_rows, scored, invalid = int(counts[0]), int(counts[1]), int(counts[2])
+        by_column = {c: int(n) for c, n in zip(features, counts[3:]) if n}
+    else:
+        scored = spark.read.parquet(output).where("prediction is not null").count()
+        input_rows, invalid, by_column = df.count(), -1, {}
+    written = scored if sc.invalid_rows == "drop" else input_rows
+    result = ScoreResult(model_uri, model.run_id, output, input_rows, scored, invalid, by_column, written,
+                         seconds, input_rows / max(seconds, 1e-9),
+                         columns=keep + ["prediction"] + (["probability"] if classification and sc.probabilities
+                                                          else []))
+    log.info("scored %s with %s (run %s): %d input rows, %d scored, %d invalid (%s: %s), %d written to %s "
+             "in %.1fs (%.0f rows/s)", input, model_uri, model.run_id, input_rows, scored, invalid,
+             sc.invalid_rows, by_column or "none", written, output, seconds, result.rows_per_s)
+    if sc.log_to_mlflow:
+        result.mlflow_run_id = _log_run(cfg, result, input)
+    return result
+
+
+def _log_run(cfg: PipelineConfig, result: ScoreResult, source: str) -> str:
+    from pipeline.tracking import start_run
+
+    name = f"score-{cfg.name}"
+    with start_run(_tracking_uri(cfg), cfg.tracking.experiment, name) as run:
+        run.log_params({"score.model_uri": result.model_uri, "score.input": source, "score.output": result.output,
+                        "score.invalid_rows": cfg.score.invalid_rows, "score.batch_size": cfg.score.batch_size})
+        run.set_tags({"shardline.kind": "score", "shardline.model_run_id": result.run_id})
+        run.log_metrics({"score_input_rows": result.input_rows, "score_scored_rows": result.scored_rows,
+                         "score_invalid_rows": result.invalid_rows, "score_written_rows": result.written_rows,
+                         "score_seconds": result.seconds, "score_rows_per_s": result.rows_per_s,
+                         **{f"score_invalid_{c}": n for c, n in result.invalid_by_column.items()}})
+        return run.run_id

@@ -1,0 +1,399 @@
+"""Spark ML API: `ShardlineEstimator` / `ShardlineModel`, usable as stages of a `pyspark.ml.Pipeline`.
+
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import VectorAssembler
+    from pipeline.spark_ml import ShardlineEstimator
+
+    stages = [VectorAssembler(inputCols=pixels, outputCol="features"),
+              ShardlineEstimator(featuresCol="features", labelCol="label", parallelism=2,
+                                 overrides=["train.epochs=10"])]
+    model = Pipeline(stages=stages).fit(df)          # ETL -> shards -> barrier training -> test evaluation
+    model.write().overwrite().save("/models/digits")  # PipelineModel.load(...) in any later session
+    model.transform(df).select("prediction", "probability")
+
+`fit` writes the selected input (the vector column expanded to f0..fN-1, the label, a row id fixed once)
+as a Parquet source under the workdir and runs the usual steps on it: `run_etl` (balanced shards,
+train-only statistics), `pipeline.launch.train` (barrier workers), `pipeline.evaluate` on the test split.
+No MLflow here (only pipeline.tracking talks to MLflow). The fitted `ShardlineModel` holds the model
+spec, the flat fp32 parameters, the standardization statistics and the label values; `transform` scores
+with a vectorized Arrow UDF (udfs/predict.py). Persistence is Spark ML's: params metadata through
+`DefaultParamsWriter`, the model state as JSON + raw little-endian float32 bytes (no pickle).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from pyspark import keyword_only
+from pyspark.ml import Estimator, Model
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param.shared import HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol
+from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable,
+                             DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter)
+
+from pipeline.config.loader import build, deep_merge, parse_override, read_yaml
+from pipeline.config.schema import PipelineConfig
+from pipeline.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = "shardline"
+STATE_FORMAT = 1
+ROW_ID = "row_id"
+LABEL = "label"
+
+
+def feature_name(i: int) -> str:
+    return f"f{i}"
+
+
+class _ShardlineParams(HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol):
+    configPath = Param(Params._dummy(), "configPath",
+                       "optional YAML config (layered on conf/base.yaml next to it when present)",
+                       typeConverter=TypeConverters.toString)
+    overrides = Param(Params._dummy(), "overrides",
+                      "config overrides `key.sub=value` (values parsed as YAML), applied last",
+                      typeConverter=TypeConverters.toListString)
+    workdir = Param(Params._dummy(), "workdir", "working directory for the input copy, shards and checkpoints",
+                    typeConverter=TypeConverters.toString)
+    name = Param(Params._dummy(), "name", "name of the shard set / model (config `name`)",
+                 typeConverter=TypeConverters.toString)
+    parallelism = Param(Params._dummy(), "parallelism", "barrier workers (parallelism.data)",
+                        typeConverter=TypeConverters.toInt)
+    modelKind = Param(Params._dummy(), "modelKind", "model.kind: mlp | logreg",
+                      typeConverter=TypeConverters.toString)
+    hidden = Param(Params._dummy(), "hidden", "model.hidden layer widths", typeConverter=TypeConverters.toListInt)
+    epochs = Param(Params._dummy(), "epochs", "train.epochs", typeConverter=TypeConverters.toInt)
+    batchSize = Param(Params._dummy(), "batchSize", "train.batch_size (per worker)",
+                      typeConverter=TypeConverters.toInt)
+    learningRate = Param(Params._dummy(), "learningRate", "train.lr", typeConverter=TypeConverters.toFloat)
+    backend = Param(Params._dummy(), "backend", "train.backend: ps | allreduce",
+                    typeConverter=TypeConverters.toString)
+    psMode = Param(Params._dummy(), "psMode", "ps.mode: sync | async | ssp | average",
+                   typeConverter=TypeConverters.toString)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(featuresCol="features", labelCol="label", predictionCol="prediction",
+                         probabilityCol="probability", overrides=[])
+
+    def getConfigPath(self) -> Optional[str]:
+        return self.getOrDefault(self.configPath) if self.isDefined(self.configPath) else None
+
+    def getOverrides(self) -> list[str]:
+        return list(self.getOrDefault(self.overrides))
+
+
+# typed Param -> dotted config key
+_PARAM_KEYS = {"workdir": "workdir", "name": "name", "parallelism": "parallelism.data", "modelKind": "model.kind",
+               "hidden": "model.hidden", "epochs": "train.epochs", "batchSize": "train.batch_size",
+               "learningRate": "train.lr", "backend": "train.backend", "psMode": "ps.mode"}
+
+
+def _nested(key: str, value: Any) -> dict:
+    out: dict = {}
+    cursor = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        cursor = cursor.setdefault(part, {})
+    cursor[parts[-1]] = value
+    return out
+
+
+class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, DefaultParamsWritable):
+    """Distributed torch training as a Spark ML Estimator; `fit` returns a `ShardlineModel`."""
+
+    @keyword_only
+    def __init__(self, *, featuresCol: str = "features", labelCol: str = "label",
+                 predictionCol: str = "prediction", probabilityCol: str = "probability",
+                 configPath: Optional[str] = None, overrides: Optional[list[str]] = None,
+                 workdir: Optional[str] = None, name: Optional[str] = None, parallelism: Optional[int] = None,
+                 modelKind: Optional[str] = None, hidden: Optional[list[int]] = None, epochs: Optional[int] = None,
+                 batchSize: Optional[int] = None, learningRate: Optional[float] = None,
+                 backend: Optional[str] = None, psMode: Optional[str] = None) -> None:
+        super().__init__()
+        self.setParams(**self._input_kwargs)
+
+    @keyword_only
+    def setParams(self, *, featuresCol: str = "features", labelCol: str = "label",
+                  predictionCol: str = "prediction", probabilityCol: str = "probability",
+                  configPath: Optional[str] = None, overrides: Optional[list[str]] = None,
+                  workdir: Optional[str] = None, name: Optional[str] = None, parallelism: Optional[int] = None,
+                  modelKind: Optional[str] = None, hidden: Optional[list[int]] = None, epochs: Optional[int] = None,
+                  batchSize: Optional[int] = None, learningRate: Optional[float] = None,
+                  backend: Optional[str] = None, psMode: Optional[str] = None) -> "ShardlineEstimator":
+        kwargs = {k: v for k, v in self._input_kwargs.items() if v is not None}
+        return self._set(**kwargs)
+
+    def pipeline_config(self, input_path: Optional[str] = None, num_features: Optional[int] = None) -> PipelineConfig:
+        """The resolved config: configPath (on its base.yaml), then the typed Params, then `overrides`;
+        with input_path, the data section points at the Parquet copy of the input frame."""
+        path = self.getConfigPath()
+        merged: dict = {}
+        if path is not None:
+            base = Path(path).parent / "base.yaml"
+            if base.exists() and base.resolve() != Path(path).resolve():
+                merged = read_yaml(base)
+            merged = deep_merge(merged, read_yaml(path))
+        for param, key in _PARAM_KEYS.items():
+            if self.isDefined(getattr(self, param)):
+                merged = deep_merge(merged, _nested(key, self.getOrDefault(getattr(self, param))))
+        for override in self.getOverrides():
+            merged = deep_merge(merged, parse_override(override))
+        if input_path is not None:
+            data = {"source": "parquet", "path": input_path, "label": LABEL, "id_column": ROW_ID,
+                    "features": [feature_name(i) for i in range(num_features or 0)]}
+            merged = deep_merge(merged, {"data": data})
+        return build(merged, f"ShardlineEstimator({path or 'defaults'})")
+
+    def _input_copy(self, dataset, cfg: PipelineConfig, target: Path) -> int:
+        """Write features f0..fN-1, the label and a row id (fixed once, here) as the Parquet source."""
+        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import ArrayType, NumericType
+
+        features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
+        for column in (features_col, label_col):
+            if column not in dataset.columns:
+                raise DataError(f"column {column!r} is not in the input DataFrame (columns: {dataset.columns})")
+        ftype = dataset.schema[features_col].dataType
+        if isinstance(ftype, VectorUDT):
+            array = vector_to_array(F.col(features_col), "float64")
+        elif isinstance(ftype, ArrayType) and isinstance(ftype.elementType, NumericType):
+            array = F.col(features_col).cast("array<double>")
+        else:
+            raise DataError(f"featuresCol {features_col!r} has type {ftype.simpleString()}; it must be a Vector "
+                            "(e.g. from VectorAssembler) or an array of numbers")
+        label = F.col(label_col)
+        integral_labels = cfg.data.task == "classification" and \
+            dataset.schema[label_col].dataType.typeName() in ("double", "float")
+        fractional = (label != F.floor(label)) if integral_labels else F.lit(False)
+        first = dataset.select(F.max(F.size(array)).alias("n"),
+                               F.count(F.when(fractional, 1)).alias("fractional")).first()
+        if first is None or first["n"] is None or first["n"] < 1:
+            raise DataError("the input DataFrame has no rows with features")
+        if first["fractional"]:
+            raise DataError(f"label column {label_col!r} has {first['fractional']} non-integer values for a "
+                            "classification task; set overrides=['data.task=regression']")
+        n = int(first["n"])
+        if integral_labels:  # Spark ML labels are doubles: 3.0 becomes the int64 class "3"
+            label = label.cast("long")
+        arrays = dataset.select(array.alias("__v"), label.alias(LABEL))
+        frame = arrays.select(F.monotonically_increasing_id().alias(ROW_ID),
+                              *[F.col("__v")[i].alias(feature_name(i)) for i in range(n)], LABEL)
+        if target.exists():
+            shutil.rmtree(target)
+        frame.write.parquet(str(target))
+        return n
+
+    def _fit(self, dataset) -> "ShardlineModel":
+        from pipeline.etl import run_etl
+        from pipeline.evaluate import evaluate
+        from pipeline.launch import train
+
+        probe = self.pipeline_config()
+        run_dir = Path(probe.workdir).resolve() / "spark_ml" / probe.name
+        target = run_dir / "input"
+        num_features = self._input_copy(dataset, probe, target)
+        cfg = self.pipeline_config(str(target), num_features)
+        spark = dataset.sparkSession
+        manifest = run_etl(spark, cfg)
+        result = train(spark, cfg, manifest)
+        metrics: dict[str, float] = {}
+        if "test" in manifest.splits and manifest.split("test").rows > 0:
+            metrics = dict(evaluate(spark, manifest, result.spec, result.parameters, "test").metrics)
+        parameters = result.parameters.detach().cpu().numpy().astype(np.float32) \
+            if hasattr(result.parameters, "detach") else np.asarray(result.parameters, dtype=np.float32)
+        model = ShardlineModel(featuresCol=self.getFeaturesCol(), predictionCol=self.getPredictionCol(),
+                               probabilityCol=self.getProbabilityCol())
+        model._set_state(spec=result.spec.to_dict(), parameters=parameters, means=list(manifest.means),
+                         stds=list(manifest.stds), task=manifest.task,
+                         labels=None if manifest.label_mapping is None else list(manifest.label_mapping),
+                         metrics=metrics, history=list(result.history))
+        return self._copyValues(model)
+
+
+def _build_torch_model(spec: dict, weights):
+    """Runs on executors (referenced by the UDF through functools.partial): the module, weights loaded."""
+    import torch
+
+    from pipeline.models import ModelSpec, build_model, load_flat_parameters
+
+    model = build_model(ModelSpec.from_dict(spec))
+    value = weights.value if hasattr(weights, "value") else weights
+    load_flat_parameters(model, torch.from_numpy(np.asarray(value, dtype=np.float32)))
+    model.eval()
+    return model
+
+
+def _label_values(labels: Optional[list[str]]) -> Optional[list[float]]:
+    """Class index -> the original label value as a double (numeric labels); None for text labels."""
+    if labels is None:
+        return None
+    try:
+        return [float(v) for v in labels]
+    except ValueError:
+        return None
+
+
+def _local_dir(path: str) -> Path:
+    if path.startswith("file:"):
+        return Path("/" + path[len("file:"):].lstrip("/"))
+    if "://" in path:
+        raise ConfigError(f"ShardlineModel saves its state on the local filesystem; {path!r} is not a local path")
+    return Path(path)
+
+
+class ShardlineModel(Model, _ShardlineParams, MLReadable, MLWritable):
+    """A trained shardline model as a Spark ML Transformer: adds `prediction` (double; the original label
+    value for numeric classification labels, the class index into `labels` for text labels, the output
+    for regression) and, for classification, `probability` (a Vector of class probabilities)."""
+
+    @keyword_only
+    def __init__(self, *, featuresCol: str = "features", predictionCol: str = "prediction",
+                 probabilityCol: str = "probability") -> None:
+        super().__init__()
+        self._set(**self._input_kwargs)
+        self._state: Optional[dict] = None
+
+    def _set_state(self, *, spec: dict, parameters: np.ndarray, means: list[float], stds: list[float], task: str,
+                   labels: Optional[list[str]], metrics: dict, history: list) -> None:
+        self._state = {"spec": spec, "parameters": np.ascontiguousarray(parameters, dtype=np.float32),
+                       "means": [float(v) for v in means], "stds": [float(v) for v in stds], "task": task,
+                       "labels": labels, "metrics": {k: float(v) for k, v in metrics.items()},
+                       "history": history}
+
+    def _require_state(self) -> dict:
+        if self._state is None:
+            raise ConfigError("this ShardlineModel holds no trained model (fit an estimator or load a saved one)")
+        return self._state
+
+    @property
+    def spec(self) -> dict:
+        return dict(self._require_state()["spec"])
+
+    @property
+    def parameters(self) -> np.ndarray:
+        return self._require_state()["parameters"]
+
+    @property
+    def labels(self) -> Optional[list[str]]:
+        return self._require_state()["labels"]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Test-split metrics measured at fit time."""
+        return dict(self._require_state()["metrics"])
+
+    def torch_model(self):
+        return _build_torch_model(self.spec, self.parameters)
+
+    def copy(self, extra=None) -> "ShardlineModel":
+        that = super().copy(extra)
+        that._state = self._state
+        return that
+
+    def _key(self) -> str:
+        state = self._require_state()
+        digest = hashlib.sha256(json.dumps(state["spec"], sort_keys=True).encode())
+        digest.update(state["parameters"].tobytes())
+        return digest.hexdigest()
+
+    def _transform(self, dataset):
+        from pyspark.ml.functions import array_to_vector, vector_to_array
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import functions as F
+
+        from udfs.predict import RESULT_DDL, make_arrow_predict_fn, make_pandas_predict_fn, make_scorer
+
+        state = self._require_state()
+        features_col = self.getFeaturesCol()
+        if features_col not in dataset.columns:
+            raise DataError(f"column {features_col!r} is not in the DataFrame (columns: {dataset.columns})")
+        ftype = dataset.schema[features_col].dataType
+        column = vector_to_array(F.col(features_col), "float32") if isinstance(ftype, VectorUDT) \
+            else F.col(features_col).cast("array<float>")
+        build = functools.partial(_build_torch_model, state["spec"], state["parameters"])
+        classification = state["task"] == "classification"
+        scorer = make_scorer(self._key(), build, state["means"], state["stds"], state["task"],
+                             _label_values(state["labels"]) if classification else None)
+        num_features = len(state["means"])
+        try:
+            from pyspark.sql.functions import arrow_udf  # pyspark >= 4.1
+        except ImportError:
+            from pyspark.sql.functions import pandas_udf
+
+            udf = pandas_udf(make_pandas_predict_fn(scorer, num_features), RESULT_DDL)
+        else:
+            udf = arrow_udf(make_arrow_predict_fn(scorer, num_features), RESULT_DDL)
+        tmp = f"__shardline_{uuid.uuid4().hex[:8]}"
+        scored = dataset.select("*", udf(column).alias(tmp))
+        outputs = [F.col(f"{tmp}.prediction").alias(self.getPredictionCol())]
+        if classification and self.getProbabilityCol():
+            outputs.append(array_to_vector(F.col(f"{tmp}.probability")).alias(self.getProbabilityCol()))
+        replaced = {self.getPredictionCol(), self.getProbabilityCol()}
+        return scored.select(*[F.col(f"`{c}`") for c in dataset.columns if c not in replaced], *outputs)
+
+    def write(self) -> "ShardlineModelWriter":
+        return ShardlineModelWriter(self)
+
+    @classmethod
+    def read(cls) -> "ShardlineModelReader":
+        return ShardlineModelReader(cls)
+
+
+class ShardlineModelWriter(MLWriter):
+    """Params metadata via DefaultParamsWriter; state as spec/stats JSON + raw little-endian float32."""
+
+    def __init__(self, instance: ShardlineModel) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:
+        state = self.instance._require_state()
+        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession,
+                                         extraMetadata={"shardlineStateFormat": STATE_FORMAT})
+        folder = _local_dir(path) / STATE_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        raw = state["parameters"].astype("<f4").tobytes()
+        (folder / "parameters.f32").write_bytes(raw)
+        info = {"format": STATE_FORMAT, "spec": state["spec"], "means": state["means"], "stds": state["stds"],
+                "task": state["task"], "labels": state["labels"], "metrics": state["metrics"],
+                "history": state["history"], "num_parameters": int(state["parameters"].size),
+                "parameters_sha256": hashlib.sha256(raw).hexdigest()}
+        (folder / "state.json").write_text(json.dumps(info, indent=1))
+
+
+class ShardlineModelReader(MLReader):
+    def __init__(self, cls) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def load(self, path: str) -> ShardlineModel:
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        model = self.cls()
+        DefaultParamsReader.getAndSetParams(model, metadata)
+        model._resetUid(metadata["uid"])
+        folder = _local_dir(path) / STATE_DIR
+        try:
+            info = json.loads((folder / "state.json").read_text())
+            raw = (folder / "parameters.f32").read_bytes()
+        except FileNotFoundError as exc:
+            raise DataError(f"{path} is not a saved ShardlineModel: {exc.filename} is missing") from None
+        if info.get("format") != STATE_FORMAT:
+            raise DataError(f"{folder}: state format {info.get('format')} is not {STATE_FORMAT}")
+        if hashlib.sha256(raw).hexdigest() != info["parameters_sha256"] or len(raw) != 4 * info["num_parameters"]:
+            raise DataError(f"{folder / 'parameters.f32'} does not match state.json (corrupt or replaced)")
+        parameters = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+        model._set_state(spec=info["spec"], parameters=parameters, means=info["means"], stds=info["stds"],
+                         task=info["task"], labels=info["labels"], metrics=info["metrics"],
+                         history=info.get("history", []))
+        return model
