@@ -14,7 +14,7 @@ ACCURACY_BAR = 0.93
 def digits(spark, tmp_path_factory):
     work = tmp_path_factory.mktemp("modes")
     cfg = build({"name": "modes", "workdir": str(work), "parallelism": {"data": 2}, "data": {"source": "digits"},
-                 "train": {"epochs": 6, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
+                 "train": {"epochs": 12, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
                  "model": {"hidden": [64]}, "ps": {"timeout_s": 60}})
     return cfg, run_etl(spark, cfg)
 
