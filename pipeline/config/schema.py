@@ -251,6 +251,11 @@ class PSConfig(_Section):
     host: Optional[str] = Field(None, min_length=1)
     # Deadline of every PS wait (a step's gradients from all workers, a pull, a connect).
     timeout_s: float = Field(120.0, gt=0)
+    # Where the PS runs: `driver` (the process holding the SparkSession: the driver, or a Spark Connect
+    # client) or `task` (inside rank 0's barrier task, its address shared with allGather; for clusters
+    # whose executors cannot reach the driver/client). Same protocol, modes and checkpoints; with `task`
+    # the final parameters come back as result rows and progress is reported after each attempt.
+    placement: Literal["driver", "task"] = "driver"
 
 
 class TrackingConfig(_Section):

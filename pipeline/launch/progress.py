@@ -42,12 +42,24 @@ class EpochProgress:
                 return
             row = self._summarize(int(metrics["epoch"]), self._pending.pop(int(metrics["epoch"])))
             self.history.append(row)
+        self._announce(row)
+
+    def _announce(self, row: dict) -> None:
         log.info("epoch %d/%d | %.0f samples/s | train loss %.4f%s%s", row["epoch"] + 1, self.epochs,
                  row["samples_per_s"], row["train_loss"],
                  f" | val loss {row['val_loss']:.4f}" if "val_loss" in row else "",
                  f" | val acc {row['val_accuracy']:.4f}" if "val_accuracy" in row else "")
         if self._on_epoch is not None:
             self._on_epoch(row)
+
+    def replay(self, history: list[dict]) -> None:
+        """Take epochs summarized elsewhere (the PS in rank 0's task): record and announce the new ones."""
+        for row in history:
+            with self._lock:
+                if any(known["epoch"] == row["epoch"] for known in self.history):
+                    continue
+                self.history.append(dict(row))
+            self._announce(dict(row))
 
     def restore(self, history: list[dict]) -> None:
         """Start from the epochs a checkpoint recorded (a resumed run)."""

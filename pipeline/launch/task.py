@@ -6,6 +6,7 @@ before every rank has told the driver what happened, and lets the error carry th
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import socket
@@ -14,7 +15,11 @@ from typing import Callable, Iterator
 
 RESULT_SCHEMA = ("rank int, ok boolean, error string, log_tail string, "
                  "steps long, samples long, seconds double, final_train_loss double, process string, "
-                 "device string, gpu string, parameters_digest string, parameters binary")
+                 "device string, gpu string, parameters_digest string, chunk int, parameters binary, "
+                 "ps_report string")
+# Parameters travel as rows of at most this many bytes (chunk 0 carries the rank's other fields), so a
+# large model never meets Arrow's 2 GiB-per-array or Spark's per-row limits.
+CHUNK_BYTES = 32 << 20
 
 
 class _TailHandler(logging.Handler):
@@ -30,12 +35,14 @@ class _TailHandler(logging.Handler):
             pass
 
 
-def make_task_fn(plans: list[dict], ps_host: str, ps_port: int, secret: bytes,
-                 log_tail_lines: int) -> Callable[[Iterator], Iterator]:
-    """Build the mapInArrow body from plain values only (no SparkSession, no self in the closure)."""
+def make_task_fn(plans: list[dict], ps_host: str | None, ps_port: int | None, secret: bytes,
+                 log_tail_lines: int, hosted: dict | None = None) -> Callable[[Iterator], Iterator]:
+    """Build the mapInArrow body from plain values only (no SparkSession, no self in the closure).
+
+    hosted (a task_ps.HostedPSSpec as a dict) means ps.placement=task: rank 0's task starts the PS and
+    every task learns its address from the barrier's allGather; ps_host/ps_port are then None."""
 
     def task(batches: Iterator) -> Iterator:
-        import pyarrow as pa
         from pyspark import BarrierTaskContext
 
         for _ in batches:  # the input frame only fixes the number of tasks
@@ -44,16 +51,85 @@ def make_task_fn(plans: list[dict], ps_host: str, ps_port: int, secret: bytes,
         rank = context.partitionId()
         plan = plans[rank]
         gpu = assigned_gpu(context.resources())
-        rendezvous = None
-        if plan["backend"] == "allreduce":
-            rendezvous, error = _rendezvous(context, rank, plan["ps_timeout_s"])
+        needs_allreduce = plan["backend"] == "allreduce"
+        if not needs_allreduce and hosted is None:
+            yield from _batches(run_rank(plan, ps_host, ps_port, secret, log_tail_lines, gpu=gpu))
+            return
+        host_ps = None
+        try:
+            if rank == 0 and hosted is not None:
+                host_ps, offer_error = _start_hosted_ps(context, hosted, secret)
+            else:
+                offer_error = None
+            found, error = _rendezvous(context, rank, plan["ps_timeout_s"], allreduce=needs_allreduce,
+                                       ps=host_ps.server.address if host_ps is not None else None,
+                                       offer_error=offer_error)
             if error is not None:
-                yield pa.RecordBatch.from_pylist([_failure_row(rank, error, "")], schema=_arrow_schema())
+                yield from _batches(_failure_row(rank, error, ""))
                 return
-        row = run_rank(plan, ps_host, ps_port, secret, log_tail_lines, gpu=gpu, rendezvous=rendezvous)
-        yield pa.RecordBatch.from_pylist([row], schema=_arrow_schema())
+            address = found.get("ps") or (ps_host, ps_port)
+            row = run_rank(plan, address[0], int(address[1]), secret, log_tail_lines, gpu=gpu,
+                           rendezvous=found.get("allreduce"))
+            if host_ps is not None:
+                host_ps.wait_for_peers()
+                row["ps_report"] = _encode_report(host_ps.report(failed=not row["ok"]))
+                if plan["backend"] == "ps":
+                    row["parameters"] = host_ps.parameters_bytes()
+            yield from _batches(row)
+        finally:
+            if host_ps is not None:
+                host_ps.__exit__(None, None, None)
 
     return task
+
+
+def _start_hosted_ps(context, hosted: dict, secret: bytes):
+    """Rank 0: start the PS on this executor's address; (HostedPS, None) or (None, error text)."""
+    from pipeline.launch.task_ps import HostedPS, HostedPSSpec
+
+    host = context.getTaskInfos()[0].address.rsplit(":", 1)[0]
+    try:
+        return HostedPS(HostedPSSpec(**hosted), host, secret).__enter__(), None
+    except Exception as exc:  # noqa: BLE001 - every rank must still reach the allGather
+        logging.getLogger(__name__).exception("rank 0 could not start the parameter server")
+        return None, f"rank 0 could not start the parameter server (ps.placement=task): {type(exc).__name__}: {exc}"
+
+
+def _encode_report(report: dict) -> str:
+    from pipeline.launch.task_ps import encode_report
+
+    return encode_report(report)
+
+
+def _batches(row: dict) -> Iterator:
+    """One rank's result as record batches: chunk 0 with every field, then the rest of its parameters."""
+    import pyarrow as pa
+
+    schema = _arrow_schema()
+    raw = row.get("parameters")
+    pieces = [raw[i:i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES)] if raw else [raw]
+    yield pa.RecordBatch.from_pylist([{**row, "chunk": 0, "parameters": pieces[0]}], schema=schema)
+    for index, piece in enumerate(pieces[1:], start=1):
+        yield pa.RecordBatch.from_pylist([{"rank": row["rank"], "chunk": index, "parameters": piece}], schema=schema)
+
+
+def merge_chunks(rows: list[dict]) -> list[dict]:
+    """The driver's inverse of _batches: one dict per rank with its parameters reassembled."""
+    by_rank: dict[int, list[dict]] = {}
+    for row in rows:
+        by_rank.setdefault(row["rank"], []).append(row)
+    merged = []
+    for rank, parts in sorted(by_rank.items()):
+        parts.sort(key=lambda r: r["chunk"] or 0)
+        if [p["chunk"] or 0 for p in parts] != list(range(len(parts))):
+            raise ValueError(f"rank {rank} returned parameter chunks {[p['chunk'] for p in parts]}, expected "
+                             f"0..{len(parts) - 1}")
+        head = dict(parts[0])
+        if head.get("parameters") is not None:
+            head["parameters"] = b"".join(bytes(p["parameters"]) for p in parts)
+        head.pop("chunk", None)
+        merged.append(head)
+    return merged
 
 
 def assigned_gpu(resources) -> str | None:
@@ -77,32 +153,39 @@ def choose_device(gpu: str | None) -> str:
     return "cpu"
 
 
-def _rendezvous(context, rank: int, timeout_s: float):
-    """Rank 0 offers its executor's host and a free port; every task learns it through one allGather.
-    Returns (Rendezvous, None) or (None, error text)."""
-    import json
-
+def _rendezvous(context, rank: int, timeout_s: float, *, allreduce: bool, ps=None, offer_error=None):
+    """One allGather for everything the tasks must agree on: rank 0 offers the hosted PS's address
+    (ps.placement=task) and/or its executor's host and a free port for the allreduce process group.
+    Returns ({"ps": (host, port)?, "allreduce": Rendezvous?}, None) or (None, error text)."""
     from pipeline.worker.distributed import Rendezvous
 
-    offer = ""
+    offer = {}
     if rank == 0:
-        host = context.getTaskInfos()[0].address.rsplit(":", 1)[0]
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
-        offer = json.dumps({"host": host, "port": port})
+        if offer_error is not None:
+            offer["error"] = offer_error
+        if ps is not None:
+            offer["ps"] = list(ps)
+        if allreduce:
+            host = context.getTaskInfos()[0].address.rsplit(":", 1)[0]
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((host, 0))
+                offer["allreduce"] = [host, probe.getsockname()[1]]
     try:
-        messages = context.allGather(offer)
+        messages = context.allGather(json.dumps(offer))
     except Exception as exc:  # noqa: BLE001 - reported as this rank's failure row
-        return None, f"allreduce rendezvous: the barrier allGather failed: {type(exc).__name__}: {exc}"
+        return None, f"rendezvous: the barrier allGather failed: {type(exc).__name__}: {exc}"
     found = json.loads(messages[0])
-    return Rendezvous(found["host"], int(found["port"]), timeout_s), None
+    if "error" in found:
+        return None, found["error"] if rank == 0 else f"stopped: {found['error']}"
+    if "allreduce" in found:
+        found["allreduce"] = Rendezvous(found["allreduce"][0], int(found["allreduce"][1]), timeout_s)
+    return found, None
 
 
 def _failure_row(rank: int, error: str, tail: str, process: str = "") -> dict:
     return {"rank": rank, "ok": False, "error": error, "log_tail": tail, "steps": None, "samples": None,
             "seconds": None, "final_train_loss": None, "process": process, "device": None, "gpu": None,
-            "parameters_digest": None, "parameters": None}
+            "parameters_digest": None, "chunk": 0, "parameters": None, "ps_report": None}
 
 
 def _arrow_schema():
@@ -111,7 +194,8 @@ def _arrow_schema():
     return pa.schema([("rank", pa.int32()), ("ok", pa.bool_()), ("error", pa.string()), ("log_tail", pa.string()),
                       ("steps", pa.int64()), ("samples", pa.int64()), ("seconds", pa.float64()),
                       ("final_train_loss", pa.float64()), ("process", pa.string()), ("device", pa.string()),
-                      ("gpu", pa.string()), ("parameters_digest", pa.string()), ("parameters", pa.binary())])
+                      ("gpu", pa.string()), ("parameters_digest", pa.string()), ("chunk", pa.int32()),
+                      ("parameters", pa.binary()), ("ps_report", pa.string())])
 
 
 def run_rank(plan_dict: dict, ps_host: str, ps_port: int, secret: bytes, log_tail_lines: int, *,
@@ -135,7 +219,7 @@ def run_rank(plan_dict: dict, ps_host: str, ps_port: int, secret: bytes, log_tai
         return {"rank": plan.rank, "ok": True, "error": None, "log_tail": None, "steps": result.steps,
                 "samples": result.samples, "seconds": result.seconds, "final_train_loss": result.final_train_loss,
                 "process": process, "device": result.device, "gpu": gpu,
-                "parameters_digest": result.parameters_digest, "parameters": result.parameters}
+                "parameters_digest": result.parameters_digest, "parameters": result.parameters, "ps_report": None}
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver as a row
         error = f"{type(exc).__name__}: {exc}"
         logger.error("rank %d failed: %s\n%s", plan.rank, error, traceback.format_exc())

@@ -7,7 +7,9 @@ through the DataFrame API (`mapInArrow(..., barrier=True)`), which is the same b
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError, WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.preflight import check_barrier_slots
 from pipeline.launch.progress import EpochProgress, StepProgress
-from pipeline.launch.task import RESULT_SCHEMA, make_task_fn
+from pipeline.launch.task import RESULT_SCHEMA, make_task_fn, merge_chunks
 from pipeline.launch.watchdog import StageWatchdog
 from pipeline.models import ModelSpec, build_model, flat_parameters, model_spec
 from pipeline.shards import Manifest, rank_files, steps_per_epoch
@@ -162,6 +164,9 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
             on_epoch(row)
 
     progress = EpochProgress(workers, cfg.train.epochs, epoch_done)
+    if cfg.ps.placement == "task":
+        return _train_with_task_ps(spark, cfg, manifest, spec, steps, store, latest if resumed else None,
+                                   initial_parameters, progress, expected, checkpoint_extra)
     host = _ps_host(spark, cfg)
     started = time.perf_counter()
     log.info("training %s: %d workers x %d steps/epoch x %d epochs, %d parameters, PS on %s",
@@ -177,10 +182,10 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
             log.info("resuming from checkpoint %s at step %d of %d", latest.path, server.version, expected)
 
         def snapshot() -> dict:
-            return {"step": server.version, "ps": server.state_dict(), "fingerprint": manifest.fingerprint,
-                    "model": spec.to_dict(), "world_size": workers, "mode": cfg.ps.mode,
-                    "steps_per_epoch": steps, "epochs": cfg.train.epochs, "seed": cfg.train.seed,
-                    "history": [dict(row) for row in progress.history], "extra": dict(checkpoint_extra or {})}
+            return {"step": server.version, "ps": server.state_dict(), "model": spec.to_dict(),
+                    "epochs": cfg.train.epochs, "seed": cfg.train.seed,
+                    "history": [dict(row) for row in progress.history],
+                    **_checkpoint_meta(cfg, manifest, steps, checkpoint_extra)}
 
         # allreduce keeps no state on the server: nothing to checkpoint, and a retry starts over.
         with Checkpointer(store, snapshot, lambda: server.version, cfg.train.checkpoint_every,
@@ -261,7 +266,8 @@ def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[
     spark.addTag(tag)
     try:
         with watchdog, bar:
-            rows = [r.asDict() for r in ranks_df.mapInArrow(task_fn, RESULT_SCHEMA, barrier=True).collect()]
+            rows = merge_chunks([r.asDict() for r in ranks_df.mapInArrow(task_fn, RESULT_SCHEMA,
+                                                                         barrier=True).collect()])
     except BaseException as exc:
         server.fail(f"the Spark barrier job failed: {_spark_error_summary(exc)}")
         _interrupt(spark, tag)
@@ -285,6 +291,133 @@ def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[
             {r["rank"]: WorkerFailure(r["rank"], r["error"], r["log_tail"] or "") for r in primary}, attempt,
             stopped={r["rank"]: r["error"] for r in failed if r not in primary})
     return rows
+
+
+def _checkpoint_meta(cfg: PipelineConfig, manifest: Manifest, steps: int, extra: Optional[dict]) -> dict:
+    """What every checkpoint records besides the PS state, so a resume can check it belongs to this run."""
+    return {"fingerprint": manifest.fingerprint, "world_size": cfg.parallelism.data, "mode": cfg.ps.mode,
+            "steps_per_epoch": steps, "extra": dict(extra or {})}
+
+
+def _train_with_task_ps(spark, cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, store,
+                        resume_from, initial_parameters, progress: EpochProgress, expected: int,
+                        checkpoint_extra: Optional[dict]) -> TrainResult:
+    """ps.placement=task: each attempt's PS lives in rank 0's task; a retry restarts it from the newest
+    checkpoint; the history and final parameters come back as result rows."""
+    from pipeline.launch.task_ps import HostedPSSpec
+    from pipeline.ps import new_secret
+
+    workers, allreduce = cfg.parallelism.data, cfg.train.backend == "allreduce"
+    warm = (initial_parameters.detach().to("cpu").float().reshape(-1).contiguous().numpy().tobytes()
+            if initial_parameters is not None else None)
+    log.info("training %s: %d workers x %d steps/epoch x %d epochs, PS in rank 0's task (ps.placement=task)",
+             cfg.name, workers, steps, cfg.train.epochs)
+    started, failed_attempts, attempt = time.perf_counter(), [], 1
+    resumed_from = resume_from
+    # Marks this run's checkpoints: a retry resumes only from one of them (or from --resume's).
+    launch_id = uuid.uuid4().hex
+    meta = {**_checkpoint_meta(cfg, manifest, steps, checkpoint_extra), "launch_id": launch_id}
+    while True:
+        secret = new_secret()  # per attempt: a late task of a failed attempt cannot join the next one
+        hosted = HostedPSSpec(
+            world_size=workers, epochs=cfg.train.epochs, generation=attempt,
+            optimizer=dataclasses.asdict(_optimizer(cfg)), consistency=dataclasses.asdict(_consistency(cfg)),
+            compression=cfg.ps.compression, topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards,
+            timeout_s=cfg.ps.timeout_s, grace_s=min(cfg.ps.timeout_s, 3.0) if allreduce else cfg.ps.timeout_s,
+            model=spec.to_dict(), seed=cfg.train.seed, checkpoint_dir=store.directory,
+            keep_checkpoints=cfg.train.keep_checkpoints, checkpoint_every=cfg.train.checkpoint_every,
+            checkpoints_enabled=not allreduce, resume_path=resume_from.path if resume_from else None,
+            warm_start=warm, checkpoint_meta=meta).to_dict()
+        plans = _plans(cfg, manifest, spec, steps, attempt, attempt)
+        try:
+            rows, report = _run_task_attempt(spark, cfg, plans, secret, hosted, attempt)
+        except WorkerTrainingFailedError as failure:
+            failure.attempt = attempt
+            if attempt >= cfg.train.max_attempts:
+                failure.cause = (f"{failure.cause + '; ' if failure.cause else ''}gave up after {attempt} "
+                                 f"attempt(s) (train.max_attempts={cfg.train.max_attempts})")
+                raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped) from failure
+            resume_from = None if allreduce else _own_latest(store, launch_id, resume_from)
+            failed_attempts.append({"attempt": attempt, "ranks": sorted(failure.failures),
+                                    "step": resume_from.step if resume_from else 0, "error": str(failure)[:4000]})
+            log.warning("attempt %d of %d failed; retrying from %s\n%s", attempt, cfg.train.max_attempts,
+                        f"checkpoint step {resume_from.step}" if resume_from else "the start", failure)
+            attempt += 1
+            continue
+        break
+    progress.replay(report["history"])
+    if allreduce:
+        parameters, version = _replica_parameters(rows, initial_size(spec)), min(r["steps"] for r in rows)
+        expected = steps * cfg.train.epochs
+    else:
+        import torch
+
+        raw = next(r["parameters"] for r in rows if r["rank"] == 0)
+        parameters, version = torch.frombuffer(bytearray(raw), dtype=torch.float32), int(report["version"])
+    seconds = time.perf_counter() - started
+    if version != expected:
+        raise WorkerTrainingFailedError({}, cause=f"training applied {version} steps, expected {expected}")
+    ranks = [{k: v for k, v in r.items() if k not in ("parameters", "ps_report")} for r in rows]
+    log.info("training done: %d steps in %.1fs (PS in rank 0's task at %s)", version, seconds, report["address"])
+    return TrainResult(spec=spec, parameters=parameters, history=progress.history, ranks=ranks, steps=version,
+                       seconds=seconds, ps_stats=report["stats"], failed_attempts=failed_attempts,
+                       resumed_from_step=resumed_from.step if resumed_from else None)
+
+
+def _own_latest(store, launch_id: str, fallback):
+    """The newest checkpoint this run wrote (rank 0's task saves one when an attempt fails), else fallback."""
+    latest = store.latest()
+    if latest is None:
+        return fallback
+    try:
+        own = store.load(latest).get("launch_id") == launch_id
+    except Exception:  # unreadable: fall back rather than fail the retry
+        log.warning("could not read checkpoint %s to resume the retry", latest.path, exc_info=True)
+        own = False
+    return latest if own else fallback
+
+
+def initial_size(spec: ModelSpec) -> int:
+    return sum(p.numel() for p in build_model(spec).parameters())
+
+
+def _run_task_attempt(spark, cfg: PipelineConfig, plans: list[dict], secret: bytes, hosted: dict,
+                      attempt: int) -> tuple[list[dict], dict]:
+    """One barrier job with the PS in rank 0's task: (rows, rank 0's PS report), or
+    WorkerTrainingFailedError naming the root-cause rank(s) as the task PS saw them."""
+    workers = cfg.parallelism.data
+    task_fn = make_task_fn(plans, None, None, secret, cfg.train.log_tail_lines, hosted=hosted)
+    tag = f"shardline-train-{uuid.uuid4().hex[:12]}"
+    log.info("barrier attempt %d (PS in rank 0's task)", attempt)
+    spark.addTag(tag)
+    try:
+        rows = merge_chunks([r.asDict() for r in spark.range(0, workers, 1, workers)
+                             .mapInArrow(task_fn, RESULT_SCHEMA, barrier=True).collect()])
+    except Exception as exc:
+        _interrupt(spark, tag)
+        why = _spark_error_summary(exc)
+        # No rank could report (the stage is torn down as soon as one task dies); Spark names the task.
+        crashed = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", str(exc))
+        rank = int(crashed.group(1)) if crashed else -1
+        text = (f"the task of rank {rank} died and Spark stopped the barrier stage" if crashed else
+                "the barrier stage failed before the ranks reported")
+        if rank <= 0:
+            text += " (rank 0's task hosts the parameter server: its state since the last checkpoint is lost)"
+        raise WorkerTrainingFailedError({rank: WorkerFailure(rank, text)}, attempt, cause=why) from exc
+    finally:
+        spark.removeTag(tag)
+    head = next((r for r in rows if r["rank"] == 0), None)
+    report = json.loads(head["ps_report"]) if head is not None and head.get("ps_report") else None
+    failed = [r for r in rows if not r["ok"]]
+    if failed or report is None:
+        roots = [int(r) for r in (report or {}).get("root_failures", [])]
+        if cfg.train.backend == "allreduce":
+            roots = roots[:1]
+        primary = [r for r in failed if r["rank"] in roots] or failed
+        failures = {r["rank"]: WorkerFailure(r["rank"], r["error"], r["log_tail"] or "") for r in primary}
+        raise WorkerTrainingFailedError(failures or {0: WorkerFailure(0, "rank 0 returned no PS report")}, attempt,
+                                        stopped={r["rank"]: r["error"] for r in failed if r not in primary})
+    return rows, report
 
 
 class Checkpointer:

@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
 
 CLIENT = """
-import json, sys
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("pipeline.launch.train").setLevel(logging.INFO)
 sys.path.insert(0, {repo!r})
 from pipeline.config import build
 from pipeline.errors import ConfigError
@@ -22,7 +24,8 @@ from pipeline.session import get_or_create_spark
 from pipeline import steps
 cfg = build({{"name": "connect", "workdir": {work!r}, "spark": {{"master": {url!r}}}, "parallelism": {{"data": 2}},
              "data": {{"source": "digits"}}, "model": {{"hidden": [128, 64]}},
-             "train": {{"epochs": 12, "batch_size": 16}}, "tracking": {{"log_model": False}}}})
+             "train": {{"epochs": 12, "batch_size": 16}}, "tracking": {{"log_model": False}},
+             "ps": {{"placement": {placement!r}}}}})
 spark = get_or_create_spark(cfg.spark)
 assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
 outcome = steps.run_all(spark, cfg)
@@ -62,9 +65,11 @@ def connect_url(tmp_path_factory):
         subprocess.run([os.path.join(home, "sbin", "stop-connect-server.sh")], env=env, capture_output=True)
 
 
-def test_digits_pipeline_through_spark_connect(connect_url, tmp_path):
+@pytest.mark.parametrize("placement", ["driver", "task"])
+def test_digits_pipeline_through_spark_connect(connect_url, tmp_path, placement):
+    """PS in the client process (driver placement) or inside rank 0's barrier task (task placement)."""
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "MLFLOW_DISABLE_TELEMETRY": "true"}
-    script = CLIENT.format(repo=str(REPO), work=str(tmp_path / "work"), url=connect_url)
+    script = CLIENT.format(repo=str(REPO), work=str(tmp_path / "work"), url=connect_url, placement=placement)
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -72,6 +77,8 @@ def test_digits_pipeline_through_spark_connect(connect_url, tmp_path):
 
     result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert result["metrics"]["accuracy"] >= 0.95, result
+    where = "PS in rank 0's task (ps.placement=task)" if placement == "task" else "parameters, PS on "
+    assert where in proc.stderr, proc.stderr[-3000:]
     # Preflight fails fast on Connect too (Spark itself would retry the barrier stage for ~10 minutes).
     assert "parallelism.data=3 workers need 3 concurrent task slots" in result["preflight"]
     assert "has 2" in result["preflight"]

@@ -1,0 +1,108 @@
+"""ps.placement=task on a real local Spark session: the PS runs inside rank 0's barrier task, its address
+is shared with allGather, and the final parameters and history come back as result rows."""
+import pytest
+
+from pipeline.config import build
+from pipeline.errors import WorkerTrainingFailedError
+from pipeline.etl import run_etl
+from pipeline.evaluate import evaluate
+from pipeline.launch import train
+from pipeline.launch import task as task_module
+from pipeline.shards import steps_per_epoch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def digits(spark, tmp_path_factory):
+    work = tmp_path_factory.mktemp("task_ps")
+    cfg = build({"name": "task-ps", "workdir": str(work), "parallelism": {"data": 2}, "data": {"source": "digits"},
+                 "model": {"hidden": [128, 64]},
+                 "train": {"epochs": 12, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "checkpoint_every": 50},
+                 "ps": {"placement": "task", "timeout_s": 20}})
+    return cfg, run_etl(spark, cfg)
+
+
+def _with(cfg, name, **sections):
+    return cfg.model_copy(update={"name": name, **{section: getattr(cfg, section).model_copy(update=values)
+                                                   for section, values in sections.items()}})
+
+
+def test_task_hosted_ps_trains_digits_and_returns_parameters_as_rows(spark, digits):
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
+    result = train(spark, cfg, manifest)
+
+    assert result.steps == steps * cfg.train.epochs
+    assert [row["epoch"] for row in result.history] == list(range(cfg.train.epochs))
+    assert result.ps_stats["steps_applied_by_rank"] in ({0: result.steps, 1: result.steps},
+                                                        {"0": result.steps, "1": result.steps})
+    # The PS ran in a Python worker of the barrier stage, not in this (the driver's) process.
+    import os
+
+    assert all(not r["process"].endswith(f"/{os.getpid()}") for r in result.ranks)
+    accuracy = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics["accuracy"]
+    assert accuracy >= 0.95, accuracy
+    # The task-side checkpointer wrote to train.checkpoint_dir, ending with the final state.
+    from pipeline.checkpoints import CheckpointStore
+    from pipeline.launch.train import checkpoint_dir
+
+    latest = CheckpointStore(checkpoint_dir(cfg)).latest()
+    assert latest is not None and latest.step == result.steps
+
+
+def test_a_killed_rank_is_retried_from_the_task_ps_checkpoint(spark, digits):
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
+    planned = steps * 4
+    kill_at = 2 * steps + 3
+    killed = _with(cfg, "task-ps-kill", train={"epochs": 4, "checkpoint_every": steps},
+                   faults={"kill_rank": 1, "kill_step": kill_at})
+    result = train(spark, killed, manifest)
+
+    assert result.steps == planned
+    [failure] = result.failed_attempts
+    # Spark tears the stage down when a task dies, so the rank is named from Spark's report.
+    assert failure["ranks"] == [1] and "the task of rank 1 died" in failure["error"]
+    # The retry resumed from this run's newest checkpoint (periodic, or rank 0's on the way down).
+    assert 2 * steps <= failure["step"] <= kill_at
+    applied = {int(k): v for k, v in result.ps_stats["steps_applied_by_rank"].items()}
+    assert applied == {0: planned, 1: planned}
+    assert [row["epoch"] for row in result.history] == [0, 1, 2, 3]
+
+
+def test_failure_in_every_attempt_names_the_rank(spark, digits):
+    cfg, manifest = digits
+    failing = _with(cfg, "task-ps-fail", train={"epochs": 1, "max_attempts": 2},
+                    faults={"fail_rank": 1, "fail_step": 2, "attempts": 5})
+    with pytest.raises(WorkerTrainingFailedError, match=r"gave up after 2 attempt\(s\)") as info:
+        train(spark, failing, manifest)
+    assert list(info.value.failures) == [1]
+    assert "injected failure on rank 1" in info.value.failures[1].error
+
+
+def test_parameters_are_split_into_chunks_and_reassembled(monkeypatch):
+    monkeypatch.setattr(task_module, "CHUNK_BYTES", 10)
+    row = {**task_module._failure_row(0, None, ""), "ok": True, "parameters": bytes(range(35)), "ps_report": "{}"}
+    batches = list(task_module._batches(row))
+    assert [b.num_rows for b in batches] == [1, 1, 1, 1]
+    rows = [r for b in reversed(batches) for r in b.to_pylist()]  # any order from Spark
+    other = [r for b in task_module._batches({**row, "rank": 1, "parameters": None}) for r in b.to_pylist()]
+    merged = task_module.merge_chunks(rows + other)
+    assert [m["rank"] for m in merged] == [0, 1]
+    assert merged[0]["parameters"] == bytes(range(35)) and merged[0]["ps_report"] == "{}"
+    assert merged[1]["parameters"] is None
+    with pytest.raises(ValueError, match="chunks"):
+        task_module.merge_chunks([r for r in rows if r["chunk"] != 1])  # a lost middle chunk
+
+
+def test_allreduce_backend_with_the_task_hosted_ps(spark, digits):
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
+    result = train(spark, _with(cfg, "task-ps-allreduce", train={"backend": "allreduce", "epochs": 3}), manifest)
+
+    assert result.steps == 3 * steps
+    assert len({r["parameters_digest"] for r in result.ranks}) == 1  # replicas agree
+    assert [row["epoch"] for row in result.history] == [0, 1, 2]
+    accuracy = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics["accuracy"]
+    assert accuracy >= 0.85, accuracy
