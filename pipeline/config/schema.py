@@ -201,8 +201,27 @@ class ShardsConfig(_Section):
 
 
 class ParallelismConfig(_Section):
-    # Number of data-parallel workers = barrier tasks.
+    # Data-parallel replicas; each reads one train shard. Barrier tasks = data x pipeline.
     data: int = Field(2, ge=1, le=1024)
+    # Pipeline (model-parallel) stages per replica: the model (an nn.Sequential, or a factory's list of
+    # stage modules) is cut into this many contiguous stages, one per barrier task (GPipe schedule).
+    pipeline: int = Field(1, ge=1, le=64)
+    # Micro-batches per step with pipeline > 1 (fill-drain); more shrink the bubble, (P-1)/(M+P-1).
+    micro_batches: int = Field(1, ge=1, le=1024)
+    # Explicit cut: the layer indices where stages 1..pipeline-1 start; null balances by parameter count.
+    cuts: Optional[list[int]] = None
+
+    @model_validator(mode="after")
+    def _cuts_match_stages(self) -> "ParallelismConfig":
+        if self.cuts is not None and len(self.cuts) != self.pipeline - 1:
+            raise ValueError(f"parallelism.cuts needs pipeline-1 = {self.pipeline - 1} layer indices "
+                             f"(where stages 1..{self.pipeline - 1} start), got {len(self.cuts)}")
+        return self
+
+    @property
+    def tasks(self) -> int:
+        """Barrier tasks: one per (replica, stage)."""
+        return self.data * self.pipeline
 
 
 class TrainConfig(_Section):
@@ -342,3 +361,15 @@ class PipelineConfig(_Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)
+
+    @model_validator(mode="after")
+    def _pipeline_parallel_limits(self) -> "PipelineConfig":
+        if self.parallelism.pipeline > 1:
+            if self.train.backend == "ps" and self.ps.mode != "sync":
+                raise ValueError(f"parallelism.pipeline > 1 needs ps.mode=sync (got {self.ps.mode}): the stages of "
+                                 "one replica must apply the same step together")
+            if self.ps.placement != "driver":
+                raise ValueError("parallelism.pipeline > 1 needs ps.placement=driver (one PS per stage, on the driver)")
+            if self.ps.compression == "topk":
+                raise ValueError("parallelism.pipeline > 1 does not support ps.compression=topk yet; use none/fp16/bf16")
+        return self

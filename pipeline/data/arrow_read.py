@@ -37,19 +37,28 @@ def _matrix(column, path: str, index: int, width: Optional[int], field: str):
     return flat.reshape(rows, width)
 
 
-def read_row_group(parquet_file, path: str, index: int, features_field: str, label_field: str,
+def read_row_group(parquet_file, path: str, index: int, features_field: Optional[str], label_field: Optional[str],
                    width: Optional[int]):
-    """(features, labels) of row group `index`; labels int64 for classes, float32 for regression."""
+    """(features, labels) of row group `index`; labels int64 for classes, float32 for regression.
+
+    A field given as None is not read (a pipeline stage that needs only features, or only labels):
+    its array is then an empty-width matrix / zeros of the row count, so batching still lines up."""
     import numpy as np
     import pyarrow as pa
 
     from pipeline.errors import DataError
 
+    columns = [f for f in (features_field, label_field) if f is not None]
     try:
-        table = parquet_file.read_row_group(index, columns=[features_field, label_field])
+        table = parquet_file.read_row_group(index, columns=columns)
     except (pa.ArrowInvalid, OSError, KeyError) as exc:
         raise DataError(f"cannot read row group {index} of shard file {path}: {exc}; re-run `shardline etl`") from None
-    features = _matrix(table.column(features_field), path, index, width, features_field)
+    if features_field is None:
+        features = np.empty((table.num_rows, 0), dtype=np.float32)
+    else:
+        features = _matrix(table.column(features_field), path, index, width, features_field)
+    if label_field is None:
+        return features, np.zeros(table.num_rows, dtype=np.int64)
     label_column = table.column(label_field)
     if label_column.null_count:
         raise DataError(f"{path} row group {index}: {label_column.null_count} null labels; re-run `shardline etl`")

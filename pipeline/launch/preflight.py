@@ -33,13 +33,17 @@ def task_slots(spark) -> Optional[int]:
     return None
 
 
-def check_barrier_slots(spark, workers: int) -> None:
-    """Fail fast, naming slots and workers, instead of letting Spark retry an unschedulable barrier stage."""
+def check_barrier_slots(spark, workers: int, asked: str | None = None) -> None:
+    """Fail fast, naming slots and workers, instead of letting Spark retry an unschedulable barrier stage.
+
+    asked names what set the task count (default: parallelism.data)."""
     if (_conf(spark, "spark.dynamicAllocation.enabled") or "false").lower() == "true":
         raise ConfigError("barrier training needs spark.dynamicAllocation.enabled=false "
                           "(Spark cannot gang-schedule a barrier stage under dynamic allocation)")
     slots = task_slots(spark)
     if slots is not None and workers > slots:
-        raise ConfigError(f"parallelism.data={workers} workers need {workers} concurrent task slots, but this "
+        asked = asked or f"parallelism.data={workers} workers"
+        raise ConfigError(f"{asked} need {workers} concurrent task slots, but this "
                           f"Spark session has {slots} (master {_conf(spark, 'spark.master')}, spark.task.cpus "
-                          f"{_conf(spark, 'spark.task.cpus') or 1}); lower parallelism.data or add executors/cores")
+                          f"{_conf(spark, 'spark.task.cpus') or 1}); lower parallelism.data"
+                          f"{'/pipeline' if 'pipeline' in asked else ''} or add executors/cores")

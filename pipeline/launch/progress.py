@@ -73,7 +73,9 @@ class EpochProgress:
         row = {
             "epoch": epoch,
             "step": max(r["step"] for r in reports.values()),
-            "train_loss": sum(r["train_loss"] * r["samples"] for r in reports.values()) / max(samples, 1),
+            # Pipeline stages other than the last have no loss (and count no samples): left out here.
+            "train_loss": sum(r["train_loss"] * r["samples"] for r in reports.values() if "train_loss" in r)
+            / max(sum(r["samples"] for r in reports.values() if "train_loss" in r), 1),
             "samples_per_s": samples / max(seconds, 1e-9),
             "epoch_seconds": seconds,
         }
@@ -88,10 +90,23 @@ class EpochProgress:
         # Per worker, as step metrics: where a slow rank or a waiting rank shows up.
         for rank, r in sorted(reports.items()):
             row[f"rank{rank}/samples_per_s"] = r["samples"] / max(r["seconds"], 1e-9)
-            row[f"rank{rank}/train_loss"] = r["train_loss"]
-            for key in ("wait_s", "staleness_mean", "step_time_s"):
+            if "train_loss" in r:
+                row[f"rank{rank}/train_loss"] = r["train_loss"]
+            for key in ("wait_s", "staleness_mean", "step_time_s", "compute_s", "idle_s", "bubble_fraction",
+                        "bytes_sent"):
                 if key in r:
                     row[f"rank{rank}/{key}"] = r[key]
+        # Pipeline stages: per stage, summed over its replicas (bubble = idle / (idle + compute)).
+        by_stage: dict[int, list[dict]] = {}
+        for r in reports.values():
+            if "stage" in r:
+                by_stage.setdefault(int(r["stage"]), []).append(r)
+        for stage, rs in sorted(by_stage.items()):
+            compute, idle = sum(r["compute_s"] for r in rs), sum(r["idle_s"] for r in rs)
+            row[f"stage{stage}/compute_s"] = compute / len(rs)
+            row[f"stage{stage}/idle_s"] = idle / len(rs)
+            row[f"stage{stage}/bubble_fraction"] = idle / (idle + compute) if idle + compute > 0 else 0.0
+            row[f"stage{stage}/bytes_sent"] = sum(r["bytes_sent"] for r in rs)
         for key in ("val_loss", "val_accuracy"):
             values = [r[key] for r in reports.values() if key in r]
             if values:

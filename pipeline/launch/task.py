@@ -52,24 +52,34 @@ def make_task_fn(plans: list[dict], ps_host: str | None, ps_port: int | None, se
         plan = plans[rank]
         gpu = assigned_gpu(context.resources())
         needs_allreduce = plan["backend"] == "allreduce"
-        if not needs_allreduce and hosted is None:
+        pipeline = plan["extra"].get("pipeline")
+        if not needs_allreduce and hosted is None and pipeline is None:
             yield from _batches(run_rank(plan, ps_host, ps_port, secret, log_tail_lines, gpu=gpu))
             return
-        host_ps = None
+        host_ps = listener = None
         try:
+            offer_error = None
             if rank == 0 and hosted is not None:
                 host_ps, offer_error = _start_hosted_ps(context, hosted, secret)
-            else:
-                offer_error = None
-            found, error = _rendezvous(context, rank, plan["ps_timeout_s"], allreduce=needs_allreduce,
-                                       ps=host_ps.server.address if host_ps is not None else None,
+            if pipeline is not None and pipeline["stage"] > 0 and offer_error is None:
+                listener, offer_error = _stage_listener(context, rank, plan, secret)
+            found, error = _rendezvous(context, rank, plan, ps=host_ps.server.address if host_ps is not None else None,
+                                       link=listener.address if listener is not None else None,
                                        offer_error=offer_error)
             if error is not None:
                 yield from _batches(_failure_row(rank, error, ""))
                 return
             address = found.get("ps") or (ps_host, ps_port)
+            if pipeline is not None and pipeline.get("ps"):
+                address = pipeline["ps"]  # this stage's server
+            wiring = None
+            if pipeline is not None:
+                from pipeline.worker.stage_loop import StageWiring
+
+                wiring = StageWiring(listener, found.get("next_link"))
+                listener = None  # the stage loop owns (and closes) it now
             row = run_rank(plan, address[0], int(address[1]), secret, log_tail_lines, gpu=gpu,
-                           rendezvous=found.get("allreduce"))
+                           rendezvous=found.get("allreduce"), wiring=wiring)
             if host_ps is not None:
                 host_ps.wait_for_peers()
                 row["ps_report"] = _encode_report(host_ps.report(failed=not row["ok"]))
@@ -77,6 +87,8 @@ def make_task_fn(plans: list[dict], ps_host: str | None, ps_port: int | None, se
                     row["parameters"] = host_ps.parameters_bytes()
             yield from _batches(row)
         finally:
+            if listener is not None:
+                listener.close()
             if host_ps is not None:
                 host_ps.__exit__(None, None, None)
 
@@ -153,32 +165,61 @@ def choose_device(gpu: str | None) -> str:
     return "cpu"
 
 
-def _rendezvous(context, rank: int, timeout_s: float, *, allreduce: bool, ps=None, offer_error=None):
-    """One allGather for everything the tasks must agree on: rank 0 offers the hosted PS's address
-    (ps.placement=task) and/or its executor's host and a free port for the allreduce process group.
-    Returns ({"ps": (host, port)?, "allreduce": Rendezvous?}, None) or (None, error text)."""
+def _own_host(context, rank: int) -> str:
+    return context.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+
+
+def _stage_listener(context, rank: int, plan: dict, secret: bytes):
+    """A pipeline stage > 0 listens for the previous stage's link on its executor's address."""
+    from pipeline.parallel.link import StageListener
+
+    try:
+        listener = StageListener(_own_host(context, rank), secret, plan["generation"],
+                                 stage=plan["extra"]["pipeline"]["stage"], rank=rank, expect_rank=rank - 1,
+                                 timeout_s=plan["ps_timeout_s"])
+        return listener, None
+    except Exception as exc:  # noqa: BLE001 - every rank must still reach the allGather
+        return None, f"rank {rank} could not listen for its pipeline link: {type(exc).__name__}: {exc}"
+
+
+def _rendezvous(context, rank: int, plan: dict, *, ps=None, link=None, offer_error=None):
+    """One allGather for everything the tasks must agree on. Each rank offers what it hosts: rank 0 the
+    task-hosted PS (ps.placement=task); a pipeline stage > 0 its link listener; the first task of each
+    allreduce group (rank 0, or replica 0 of each pipeline stage) a free port on its host for the group's
+    rendezvous. Returns ({"ps"?, "allreduce"?, "next_link"?}, None) or (None, error text)."""
     from pipeline.worker.distributed import Rendezvous
 
+    pipeline = plan["extra"].get("pipeline")
+    stages = pipeline["stages"] if pipeline else 1
+    leader = rank % stages if pipeline else 0  # the allreduce group's first rank
     offer = {}
-    if rank == 0:
-        if offer_error is not None:
-            offer["error"] = offer_error
-        if ps is not None:
-            offer["ps"] = list(ps)
-        if allreduce:
-            host = context.getTaskInfos()[0].address.rsplit(":", 1)[0]
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                probe.bind((host, 0))
-                offer["allreduce"] = [host, probe.getsockname()[1]]
+    if offer_error is not None:
+        offer["error"] = offer_error
+    if ps is not None:
+        offer["ps"] = list(ps)
+    if link is not None:
+        offer["link"] = list(link)
+    if plan["backend"] == "allreduce" and rank == leader:
+        host = _own_host(context, rank)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            offer["allreduce"] = [host, probe.getsockname()[1]]
     try:
-        messages = context.allGather(json.dumps(offer))
+        offers = [json.loads(m) for m in context.allGather(json.dumps(offer))]
     except Exception as exc:  # noqa: BLE001 - reported as this rank's failure row
         return None, f"rendezvous: the barrier allGather failed: {type(exc).__name__}: {exc}"
-    found = json.loads(messages[0])
-    if "error" in found:
-        return None, found["error"] if rank == 0 else f"stopped: {found['error']}"
-    if "allreduce" in found:
-        found["allreduce"] = Rendezvous(found["allreduce"][0], int(found["allreduce"][1]), timeout_s)
+    errors = [(r, o["error"]) for r, o in enumerate(offers) if "error" in o]
+    if errors:
+        mine = [e for r, e in errors if r == rank]
+        return None, mine[0] if mine else f"stopped: {errors[0][1]}"
+    found = {}
+    if "ps" in offers[0]:
+        found["ps"] = offers[0]["ps"]
+    if plan["backend"] == "allreduce":
+        host, port = offers[leader]["allreduce"]
+        found["allreduce"] = Rendezvous(host, int(port), plan["ps_timeout_s"])
+    if pipeline and pipeline["stage"] < stages - 1:
+        found["next_link"] = tuple(offers[rank + 1]["link"])
     return found, None
 
 
@@ -199,7 +240,7 @@ def _arrow_schema():
 
 
 def run_rank(plan_dict: dict, ps_host: str, ps_port: int, secret: bytes, log_tail_lines: int, *,
-             gpu: str | None = None, rendezvous=None) -> dict:
+             gpu: str | None = None, rendezvous=None, wiring=None) -> dict:
     """Run the worker for one rank; on failure return the error and this rank's log tail as the row."""
     from pipeline.worker import WorkerPlan, run
 
@@ -215,13 +256,17 @@ def run_rank(plan_dict: dict, ps_host: str, ps_port: int, secret: bytes, log_tai
     try:
         device = choose_device(gpu)
         result = run(plan, ps_host, ps_port, secret, device=device, rendezvous=rendezvous,
-                     log_tail=lambda: "\n".join(handler.lines))
+                     log_tail=lambda: "\n".join(handler.lines), wiring=wiring)
         return {"rank": plan.rank, "ok": True, "error": None, "log_tail": None, "steps": result.steps,
                 "samples": result.samples, "seconds": result.seconds, "final_train_loss": result.final_train_loss,
                 "process": process, "device": result.device, "gpu": gpu,
                 "parameters_digest": result.parameters_digest, "parameters": result.parameters, "ps_report": None}
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver as a row
         error = f"{type(exc).__name__}: {exc}"
+        pipeline = plan.extra.get("pipeline")
+        if pipeline:  # name the stage too: a pipeline failure is located by (rank, stage)
+            error = (f"stage {pipeline['stage']} of {pipeline['stages']} (replica {pipeline['replica']}): "
+                     f"{error}")
         logger.error("rank %d failed: %s\n%s", plan.rank, error, traceback.format_exc())
         return {**_failure_row(plan.rank, error, "\n".join(handler.lines), process), "gpu": gpu}
     finally:

@@ -63,29 +63,52 @@ def _ps_host(spark, cfg: PipelineConfig) -> str:
 
 
 def _plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, generation: int,
-           attempt: int) -> list[dict]:
+           attempt: int, stage_addresses: Optional[list] = None) -> list[dict]:
     has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
     validation = tuple(manifest.files("validation")) if has_validation else ()
     faults = cfg.faults.model_dump(exclude={"attempts"}) if attempt <= cfg.faults.attempts else {}
 
+    stages = cfg.parallelism.pipeline
+
     def extra(rank: int) -> dict:
-        loader = {"row_group_rows": manifest.row_group_rows("train", rank), "reader": cfg.data.reader,
+        replica = rank // stages  # the shard this task's replica reads
+        loader = {"row_group_rows": manifest.row_group_rows("train", replica), "reader": cfg.data.reader,
                   "shuffle": cfg.data.shuffle, "shuffle_buffer_rows": cfg.data.shuffle_buffer_rows,
                   "reader_threads": cfg.data.reader_threads}
-        return {"faults": faults, "loader": loader}
+        out = {"faults": faults, "loader": loader}
+        if stages > 1:
+            out["pipeline"] = {"stage": rank % stages, "stages": stages, "replica": replica,
+                               "replicas": cfg.parallelism.data, "micro_batches": cfg.parallelism.micro_batches,
+                               "cuts": cfg.parallelism.cuts,
+                               "ps": list(stage_addresses[rank % stages]) if stage_addresses else None}
+        return out
+
+    def files(rank: int) -> tuple:
+        stage = rank % stages
+        return tuple(rank_files(manifest, rank // stages)) if stage in (0, stages - 1) else ()
 
     return [
         WorkerPlan(
-            rank=rank, world_size=cfg.parallelism.data, generation=generation,
-            train_files=tuple(rank_files(manifest, rank)), validation_files=validation if rank == 0 else (),
+            rank=rank, world_size=cfg.parallelism.tasks, generation=generation,
+            train_files=files(rank),
+            # Validation needs the whole model in one task: only without pipeline stages.
+            validation_files=validation if rank == 0 and stages == 1 else (),
             model=spec.to_dict(), task=manifest.task, num_features=manifest.num_features,
             features_field=manifest.features_field, label_field=manifest.label_field, epochs=cfg.train.epochs,
             steps_per_epoch=steps, seed=cfg.train.seed, prefetch=cfg.train.prefetch,
             ps_timeout_s=cfg.ps.timeout_s, extra=extra(rank), optimizer=dataclasses.asdict(_optimizer(cfg)),
             backend=cfg.train.backend,
         ).to_dict()
-        for rank in range(cfg.parallelism.data)
+        for rank in range(cfg.parallelism.tasks)
     ]
+
+
+def stage_ranges(spec: ModelSpec, cfg: PipelineConfig) -> list[tuple[int, int]]:
+    """Each pipeline stage's [start, end) slice of the flat parameter vector."""
+    from pipeline.parallel.stages import stage_slices
+    from pipeline.worker.stage_loop import model_stages
+
+    return stage_slices(model_stages(build_model(spec), cfg.parallelism.pipeline, cfg.parallelism.cuts))
 
 
 def _optimizer(cfg: PipelineConfig):
@@ -128,9 +151,11 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     from pipeline.ps import ParameterServer, new_secret
     from pipeline.ps.modes import expected_version
 
-    workers = cfg.parallelism.data
-    check_barrier_slots(spark, workers)
-    steps = steps_per_epoch(manifest, workers, cfg.train.batch_size)
+    replicas, stages = cfg.parallelism.data, cfg.parallelism.pipeline
+    workers = cfg.parallelism.tasks  # barrier tasks: one per (replica, stage)
+    check_barrier_slots(spark, workers, None if stages == 1 else
+                        f"parallelism.data x pipeline = {replicas} x {stages} barrier tasks")
+    steps = steps_per_epoch(manifest, replicas, cfg.train.batch_size)
     spec = model_spec(cfg.model, num_features=manifest.num_features, num_classes=manifest.num_classes,
                       task=manifest.task)
     store = CheckpointStore(checkpoint_dir(cfg), cfg.train.keep_checkpoints)
@@ -146,7 +171,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                               "start without --resume")
         resumed = store.load(latest)
         check_compatible(resumed, latest.path, fingerprint=manifest.fingerprint, model=spec.to_dict(),
-                         world_size=workers, mode=cfg.ps.mode, steps_per_epoch=steps)
+                         world_size=replicas, mode=cfg.ps.mode, steps_per_epoch=steps)
     torch.manual_seed(cfg.train.seed)  # every worker starts from the server's copy of this initialization
     initial = flat_parameters(build_model(spec))
     if initial_parameters is not None:  # a warm start (e.g. from the champion)
@@ -155,7 +180,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                               f"{initial.numel()}; the model.* settings changed: disable workflow.warm_start")
         initial = initial_parameters.detach().to(torch.float32).reshape(-1).clone()
     consistency = _consistency(cfg)
-    expected = expected_version(consistency, steps * cfg.train.epochs, workers)
+    expected = expected_version(consistency, steps * cfg.train.epochs, replicas)
     bar = StepProgress(lambda: server.version, expected)
 
     def epoch_done(row: dict) -> None:
@@ -171,11 +196,20 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     started = time.perf_counter()
     log.info("training %s: %d workers x %d steps/epoch x %d epochs, %d parameters, PS on %s",
              cfg.name, workers, steps, cfg.train.epochs, initial.numel(), host)
+    if stages > 1:
+        log.info("pipeline parallelism: %d replicas x %d stages (parameter slices %s), %d micro-batches",
+                 replicas, stages, stage_ranges(spec, cfg), cfg.parallelism.micro_batches)
     secret = new_secret()
-    with ParameterServer(initial, world_size=workers, secret=secret, optimizer=_optimizer(cfg), host=host,
-                         timeout_s=cfg.ps.timeout_s, generation=1, on_metrics=progress,
-                         consistency=consistency, compression=cfg.ps.compression,
-                         topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards) as server:
+    server_kwargs = dict(secret=secret, optimizer=_optimizer(cfg), host=host, timeout_s=cfg.ps.timeout_s, generation=1,
+                         on_metrics=progress, consistency=consistency, compression=cfg.ps.compression,
+                         topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards)
+    if stages > 1:
+        from pipeline.ps.staged import StagedParameterServer
+
+        ps = StagedParameterServer(initial, stage_ranges(spec, cfg), replicas=replicas, **server_kwargs)
+    else:
+        ps = ParameterServer(initial, world_size=workers, **server_kwargs)
+    with ps as server:
         if resumed is not None:
             server.load_state_dict(resumed["ps"])
             progress.restore(resumed["history"])
@@ -193,7 +227,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
             failed_attempts: list[dict] = []
             rows = _attempts(spark, cfg, server, secret, manifest, spec, steps, bar, checkpointer, failed_attempts)
             if allreduce:
-                parameters, version = _replica_parameters(rows, initial.numel()), min(r["steps"] for r in rows)
+                parameters, version = _replica_parameters(rows, initial.numel(), stages), min(r["steps"] for r in rows)
                 expected = steps * cfg.train.epochs
             else:
                 parameters, version = server.parameters(), server.version
@@ -211,15 +245,17 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                        resumed_from_step=None if resumed is None else int(resumed["step"]))
 
 
-def _replica_parameters(rows: list[dict], num_params: int):
-    """allreduce: rank 0's parameters, after checking that every replica ended bit-identical."""
+def _replica_parameters(rows: list[dict], num_params: int, stages: int = 1):
+    """allreduce: rank 0's parameters, after checking that every replica ended bit-identical. With
+    pipeline stages, each stage's replica 0 (rank = stage) returns its slice; they are concatenated."""
     import torch
 
-    digests = {r["rank"]: r["parameters_digest"] for r in rows}
-    if len(set(digests.values())) != 1:
-        raise WorkerTrainingFailedError({}, cause=f"the allreduce replicas disagree at the end (sha256 by rank: "
-                                                  f"{digests}); this is a bug, please report it")
-    raw = next(r["parameters"] for r in rows if r["rank"] == 0)
+    for stage in range(stages):
+        digests = {r["rank"]: r["parameters_digest"] for r in rows if r["rank"] % stages == stage}
+        if len(set(digests.values())) != 1:
+            raise WorkerTrainingFailedError({}, cause=f"the allreduce replicas disagree at the end (sha256 by rank: "
+                                                      f"{digests}); this is a bug, please report it")
+    raw = b"".join(bytes(next(r["parameters"] for r in rows if r["rank"] == stage)) for stage in range(stages))
     flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)
     if flat.numel() != num_params:
         raise WorkerTrainingFailedError({}, cause=f"rank 0 returned {flat.numel()} parameters, the model has "
@@ -232,7 +268,7 @@ def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manif
     """Run barrier attempts until one succeeds or train.max_attempts are spent; return its rows."""
     attempt = 1
     while True:
-        plans = _plans(cfg, manifest, spec, steps, server.generation, attempt)
+        plans = _plans(cfg, manifest, spec, steps, server.generation, attempt, getattr(server, "addresses", None))
         try:
             return _run_attempt(spark, cfg, server, secret, plans, bar, attempt)
         except WorkerTrainingFailedError as failure:
@@ -252,7 +288,7 @@ def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manif
 
 def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[dict], bar, attempt: int) -> list[dict]:
     """One barrier job; raises WorkerTrainingFailedError naming the root-cause rank(s)."""
-    workers = cfg.parallelism.data
+    workers = cfg.parallelism.tasks
     ps_host, ps_port = server.address
     task_fn = make_task_fn(plans, ps_host, ps_port, secret, cfg.train.log_tail_lines)
     ranks_df = spark.range(0, workers, 1, workers)

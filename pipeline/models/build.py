@@ -75,6 +75,11 @@ def build_model(spec: ModelSpec):
     if spec.kind == "factory":
         model = _resolve_factory(spec.factory)(num_features=spec.num_features, num_outputs=spec.num_outputs,
                                                 **spec.factory_kwargs)
+        if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+            # A factory may return its pipeline stages; the whole model is their composition, and each
+            # stage stays one child, so parallelism.pipeline cuts it exactly there.
+            model = nn.Sequential(*model)
+            model.shardline_stages = True
         if not isinstance(model, nn.Module):
             from pipeline.errors import ConfigError
 

@@ -60,10 +60,11 @@ def partition(num_params: int, shards: int) -> list[tuple[int, int]]:
 class FailureBoard:
     """One verdict per failed rank for all shards of a server (see module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_failure: Callable[[WorkerFailure], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._shards: list[ShardServer] = []
         self._failed: set[int] = set()
+        self._on_failure = on_failure
 
     def attach(self, shards: list[ShardServer]) -> None:
         self._shards = list(shards)
@@ -79,6 +80,11 @@ class FailureBoard:
             # A failure that follows another rank's (on any shard) is that failure's fallout.
             consequence = consequence or bool(self._failed)
             self._failed.add(failure.rank)
+        if self._on_failure is not None:  # in arrival order, before any waiter is released
+            try:
+                self._on_failure(failure)
+            except Exception:  # an observer must not stop the failure from being recorded
+                logger.exception("on_failure callback failed for rank %s", failure.rank)
         # Never holds the board's lock while taking a shard's lock: no lock-order cycle.
         for shard in self._shards:
             shard.mark_failure(failure, consequence, generation)
@@ -103,13 +109,15 @@ class ParameterServer:
         compression: str = "none",
         topk_ratio: float = 0.01,
         shards: int = 1,
+        on_failure: Callable[[WorkerFailure], None] | None = None,
     ) -> None:
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
             raise PSError("the parameter server needs a non-empty initial parameter tensor")
         flat = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         self._ranges = partition(flat.numel(), int(shards))
         self._num_params = flat.numel()
-        self._board = FailureBoard() if len(self._ranges) > 1 else None
+        # on_failure (called once per failed rank, in arrival order) observes failures through the board.
+        self._board = FailureBoard(on_failure) if len(self._ranges) > 1 or on_failure is not None else None
         self._shards = [
             ShardServer(flat[start:end], world_size=world_size, secret=secret, optimizer=optimizer,
                         host=host, port=port if i == 0 else 0, timeout_s=timeout_s, generation=generation,

@@ -125,7 +125,7 @@ def make_train_loader(plan: WorkerPlan):
 
 
 def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, device: str = "cpu",
-        rendezvous=None, log_tail=None) -> WorkerResult:
+        rendezvous=None, log_tail=None, wiring=None) -> WorkerResult:
     """Train this rank's share of the run; raise on any failure (the caller reports it).
 
     backend ps: gradients go to the server in its ``ps.mode``. backend allreduce: the model is wrapped in
@@ -138,6 +138,11 @@ def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, device: 
     from pipeline.models import ModelSpec, build_model, loss_fn
     from pipeline.ps import PSClient
 
+    if plan.extra.get("pipeline"):  # parallelism.pipeline > 1: this task runs one stage of a replica
+        from pipeline.worker.stage_loop import StageWiring, run_stage
+
+        return run_stage(plan, ps_host, ps_port, secret, wiring or StageWiring(), device=device,
+                         rendezvous=rendezvous, log_tail=log_tail)
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
     torch.manual_seed(plan.seed + plan.rank)  # dropout masks differ per rank, reproducibly
     started = time.perf_counter()

@@ -1,0 +1,479 @@
+"""An authenticated point-to-point TCP link between adjacent pipeline stages.
+
+Activations of stage p go forward to stage p+1 and their gradients come back over the same connection.
+The link has the parameter-server wire's properties because it crosses the same untrusted network:
+
+* Both ends prove they hold the job secret for this generation before any tensor moves. The handshake
+  reuses the PS frames (``CHALLENGE``/``AUTH``/``ERROR``) and ``auth_mac``/``verify_mac``, but runs both
+  ways: stage p answers stage p+1's nonce, then stage p+1 answers stage p's, because a forged listener
+  could otherwise feed stage p made-up gradients.
+* Tensor frames have their own fixed 48-byte header (magic ``SHPL``, so a PS frame arriving on a link, or
+  the reverse, fails on the magic instead of being misread). It carries step, micro-batch index and the
+  2-D shape, and is validated, element cap included, before a payload byte is read or a buffer
+  allocated. Payloads are raw little-endian float32, received straight into the destination tensor;
+  nothing is ever unpickled.
+* Every receive has a deadline; its error names what was awaited and the ``ps.timeout_s`` knob.
+
+Who connects: stage p+1 opens a :class:`StageListener` (port 0: an ephemeral port, published through
+the launcher) and stage p calls :func:`connect_link` with that address. A stage that both accepts from
+p-1 and connects to p+1 may do the two in either order: the TCP connect completes in the listener's
+backlog, so a chain of stages cannot deadlock on it.
+
+Frame header (little-endian, 48 bytes)::
+
+    magic 4s | version u8 | type u8 | dtype u8 | pad 1 | generation u32 | rank u32 | step i64 |
+    micro u32 | rows u32 | cols u32 | pad 4 | length u64
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Optional, Union
+
+import torch
+
+from pipeline.errors import AuthenticationError, ProtocolError, PSError, PSTimeoutError
+from pipeline.ps.protocol import (
+    HEADER_SIZE,
+    NONCE_SIZE,
+    U32_MAX,
+    Channel,
+    DType,
+    MsgType,
+    PeerClosedError,
+    auth_mac,
+    deadline_after,
+    set_socket_options,
+    tensor_bytes,
+    verify_mac,
+)
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_KEY = "ps.timeout_s"
+LINK_MAGIC = b"SHPL"
+LINK_VERSION = 1
+LINK_HEADER = struct.Struct("<4sBBBxIIqIIIxxxxQ")
+# Same size as the PS header so the Channel's header buffer and receive loop serve both.
+assert LINK_HEADER.size == HEADER_SIZE
+# 64 Mi floats (256 MiB) per frame unless the caller knows better (e.g. micro_rows * widest activation).
+DEFAULT_MAX_ELEMENTS = 1 << 26
+DEFAULT_TIMEOUT_S = 120.0
+# An honest peer answers the handshake at once; a silent socket must not hold the listener for long.
+HANDSHAKE_S = 10.0
+_MAX_ERROR_CHARS = 2000
+
+Secret = Union[bytes, str]
+
+
+class LinkFrame(IntEnum):
+    """Tensor frames on a stage link. ACTIVATION goes p -> p+1, ACTIVATION_GRAD goes p+1 -> p."""
+
+    ACTIVATION = 1
+    ACTIVATION_GRAD = 2
+
+
+_WHAT = {LinkFrame.ACTIVATION: "activations", LinkFrame.ACTIVATION_GRAD: "activation gradients"}
+
+
+@dataclass(frozen=True)
+class LinkHeader:
+    """One decoded, validated link frame header. Quacks like ``protocol.Header`` for ``Channel.send``."""
+
+    type: LinkFrame
+    generation: int
+    rank: int
+    step: int
+    micro: int
+    rows: int
+    cols: int
+
+    @property
+    def count(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def length(self) -> int:
+        return self.count * 4
+
+    def pack(self) -> bytes:
+        for name in ("generation", "rank", "micro", "rows", "cols"):
+            if not 0 <= getattr(self, name) <= U32_MAX:
+                raise ProtocolError(f"link frame {name} {getattr(self, name)} does not fit an unsigned 32-bit field")
+        if not -(2**63) <= self.step < 2**63:
+            raise ProtocolError(f"step {self.step} does not fit a signed 64-bit field")
+        return LINK_HEADER.pack(LINK_MAGIC, LINK_VERSION, int(self.type), int(DType.FLOAT32), self.generation,
+                                self.rank, self.step, self.micro, self.rows, self.cols, self.length)
+
+
+def decode_link_header(data: Union[bytes, bytearray, memoryview], *, max_elements: int) -> LinkHeader:
+    """Parse and validate a link frame header; after it the caller may read exactly ``length`` bytes."""
+    if len(data) != LINK_HEADER.size:
+        raise ProtocolError(f"link frame header must be {LINK_HEADER.size} bytes, got {len(data)}")
+    magic, version, type_code, dtype, generation, rank, step, micro, rows, cols, length = LINK_HEADER.unpack(data)
+    if magic != LINK_MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r} on a stage link (expected {LINK_MAGIC!r})")
+    if version != LINK_VERSION:
+        raise ProtocolError(f"stage link version {version} is not supported (this side speaks {LINK_VERSION}); "
+                            "all stages must run the same shardline version")
+    try:
+        frame = LinkFrame(type_code)
+    except ValueError:
+        raise ProtocolError(f"unknown stage link frame type {type_code}") from None
+    if dtype != DType.FLOAT32:
+        raise ProtocolError(f"{frame.name} frame has dtype code {dtype}; stage links carry float32 only")
+    if rows == 0 or cols == 0:
+        raise ProtocolError(f"{frame.name} frame has an empty shape ({rows}, {cols})")
+    count = rows * cols
+    if count > max_elements:
+        raise ProtocolError(
+            f"{frame.name} frame announces shape ({rows}, {cols}) = {count} elements, more than the "
+            f"{max_elements} this link accepts per frame"
+        )
+    if length != count * 4:
+        raise ProtocolError(f"{frame.name} payload length {length} != {rows} * {cols} * 4")
+    return LinkHeader(frame, generation, rank, step, micro, rows, cols)
+
+
+class _LinkChannel(Channel):
+    """A PS Channel (handshake frames, send path, byte counts) that also reads link frames."""
+
+    def recv_link_header(self, deadline: Optional[float]) -> LinkHeader:
+        self._recv_exact(self._header_view, deadline, frame_start=True)
+        return decode_link_header(self._header_buf, max_elements=self.max_elements)
+
+    def recv_link_payload(self, header: LinkHeader, deadline: Optional[float]) -> torch.Tensor:
+        out = torch.empty((header.rows, header.cols), dtype=torch.float32)
+        self._recv_exact(memoryview(out.numpy()).cast("B"), deadline, frame_start=False)
+        return out
+
+
+def _secret_bytes(secret: Secret) -> bytes:
+    return secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
+
+
+def _error_text(channel: Channel, header, deadline: Optional[float]) -> str:
+    try:
+        return str(channel.recv_json(header, deadline).get("error", "no reason given"))
+    except (PSError, OSError):
+        return "no reason given"
+
+
+class StageLink:
+    """One authenticated connection between stage ``stage`` and its neighbour ``peer_stage``.
+
+    Not thread-safe: one thread drives a link (the stage's schedule). ``timeout_s`` bounds every
+    receive and send. A link that saw a protocol error or timeout is closed, because the stream may be
+    out of sync; the step fails and the job restarts the generation.
+    """
+
+    def __init__(self, channel: _LinkChannel, *, stage: int, peer_stage: int, rank: int, peer_rank: int,
+                 generation: int, timeout_s: float) -> None:
+        self._channel = channel
+        self.stage = stage
+        self.peer_stage = peer_stage
+        self.rank = rank
+        self.peer_rank = peer_rank
+        self.generation = generation
+        self.timeout_s = timeout_s
+        self.closed = False
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._channel.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._channel.bytes_received
+
+    @property
+    def max_elements(self) -> int:
+        return self._channel.max_elements
+
+    def _peer(self) -> str:
+        return f"stage {self.peer_stage} (rank {self.peer_rank})"
+
+    def describe(self, kind: LinkFrame, step: int, micro: int) -> str:
+        """What a receive of ``kind`` awaits, as error messages name it."""
+        return f"{_WHAT[kind]} for step {step} micro-batch {micro} from {self._peer()}"
+
+    # -- sending ---------------------------------------------------------------------------------
+    def send(self, kind: LinkFrame, step: int, micro: int, tensor: torch.Tensor) -> None:
+        """Send a 2-D float32 tensor (detached; copied only if not contiguous)."""
+        if self.closed:
+            raise PSError(f"the link from stage {self.stage} to {self._peer()} is closed")
+        if tensor.dim() != 2 or tensor.dtype != torch.float32:
+            raise PSError(f"stage links carry 2-D float32 tensors; stage {self.stage} tried to send "
+                          f"{_WHAT[kind]} of shape {tuple(tensor.shape)} and dtype {tensor.dtype}")
+        data = tensor.detach().cpu().contiguous()
+        rows, cols = data.shape
+        if rows * cols > self.max_elements:
+            raise PSError(f"{_WHAT[kind]} of shape ({rows}, {cols}) exceed the {self.max_elements} elements "
+                          f"the link to {self._peer()} accepts per frame; use more micro-batches")
+        header = LinkHeader(kind, self.generation, self.rank, step, micro, rows, cols)
+        try:
+            self._channel.send(header, tensor_bytes(data.reshape(-1)), timeout=self.timeout_s)  # type: ignore[arg-type]
+        except TimeoutError:
+            self.close()
+            raise PSTimeoutError(
+                f"timed out after {self.timeout_s:g}s sending {_WHAT[kind]} for step {step} micro-batch "
+                f"{micro} to {self._peer()}; raise {TIMEOUT_KEY} if that stage is just slow"
+            ) from None
+        except ConnectionError:
+            self.close()
+            raise PSError(f"{self._peer()} closed the link while stage {self.stage} sent {_WHAT[kind]} for step "
+                          f"{step} micro-batch {micro}; its log says why") from None
+        except OSError as exc:
+            self.close()
+            raise PSError(f"sending {_WHAT[kind]} for step {step} micro-batch {micro} to {self._peer()} "
+                          f"failed: {exc}") from exc
+
+    def send_activation(self, step: int, micro: int, tensor: torch.Tensor) -> None:
+        self.send(LinkFrame.ACTIVATION, step, micro, tensor)
+
+    def send_grad(self, step: int, micro: int, tensor: torch.Tensor) -> None:
+        self.send(LinkFrame.ACTIVATION_GRAD, step, micro, tensor)
+
+    # -- receiving -------------------------------------------------------------------------------
+    def recv(self, kind: LinkFrame, step: int, micro: int, *, rows: Optional[int] = None,
+             cols: Optional[int] = None) -> torch.Tensor:
+        """Receive the frame of ``kind`` for (``step``, ``micro``); anything else is refused.
+
+        ``rows``/``cols``, where the caller knows them, must match the frame's shape. Returns a fresh
+        (rows, cols) float32 tensor.
+        """
+        if self.closed:
+            raise PSError(f"the link from stage {self.stage} to {self._peer()} is closed")
+        what = self.describe(kind, step, micro)
+        deadline = deadline_after(self.timeout_s)
+        try:
+            header = self._channel.recv_link_header(deadline)
+            if header.generation != self.generation or header.rank != self.peer_rank:
+                raise ProtocolError(f"frame from generation {header.generation} rank {header.rank} while "
+                                    f"awaiting {what} (generation {self.generation})")
+            if (header.type, header.step, header.micro) != (kind, step, micro):
+                raise ProtocolError(
+                    f"expected {what} but received {_WHAT[header.type]} for step {header.step} micro-batch "
+                    f"{header.micro}; the stages are out of step"
+                )
+            if (rows is not None and header.rows != rows) or (cols is not None and header.cols != cols):
+                raise ProtocolError(
+                    f"{what} have shape ({header.rows}, {header.cols}), expected "
+                    f"({rows if rows is not None else '*'}, {cols if cols is not None else '*'})"
+                )
+            return self._channel.recv_link_payload(header, deadline)
+        except TimeoutError:
+            self.close()
+            raise PSTimeoutError(
+                f"timed out after {self.timeout_s:g}s waiting for {what}; raise {TIMEOUT_KEY} if that stage "
+                "is just slow, otherwise its log says why it stopped"
+            ) from None
+        except (PeerClosedError, ConnectionError):
+            # A reset is a close with our frames still unread on the peer's side: the same story.
+            self.close()
+            raise PSError(f"{self._peer()} closed the link while stage {self.stage} awaited {what}; "
+                          "its log says why") from None
+        except ProtocolError as exc:
+            self.close()
+            raise ProtocolError(f"stage link from {self._peer()}: {exc}") from None
+        except OSError as exc:
+            self.close()
+            raise PSError(f"receiving {what} failed: {exc}") from exc
+
+    def recv_activation(self, step: int, micro: int, *, rows: Optional[int] = None,
+                        cols: Optional[int] = None) -> torch.Tensor:
+        return self.recv(LinkFrame.ACTIVATION, step, micro, rows=rows, cols=cols)
+
+    def recv_grad(self, step: int, micro: int, *, rows: Optional[int] = None,
+                  cols: Optional[int] = None) -> torch.Tensor:
+        return self.recv(LinkFrame.ACTIVATION_GRAD, step, micro, rows=rows, cols=cols)
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Idempotent; never raises. Wakes a thread blocked in recv on this link."""
+        self.closed = True
+        self._channel.close()
+
+    def __enter__(self) -> "StageLink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StageListener:
+    """Stage ``stage``'s listening socket for the link from stage ``stage - 1``.
+
+    ``port`` 0 binds an ephemeral port; :attr:`address` is what stage ``stage - 1`` connects to.
+    ``expect_rank``, if given, is the only rank accepted as the upstream peer.
+    """
+
+    def __init__(self, host: str, secret: Secret, generation: int, *, stage: int, rank: int,
+                 expect_rank: Optional[int] = None, port: int = 0,
+                 max_elements: int = DEFAULT_MAX_ELEMENTS, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self._secret = _secret_bytes(secret)
+        self.generation = generation
+        self.stage = stage
+        self.rank = rank
+        self.expect_rank = expect_rank
+        self.max_elements = max_elements
+        self.timeout_s = timeout_s
+        self._sock = socket.create_server((host, port), backlog=8)
+        self._host = host
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._host, self._sock.getsockname()[1]
+
+    def accept(self, timeout_s: Optional[float] = None) -> StageLink:
+        """Wait for stage ``stage - 1`` to connect and authenticate; connections that fail the
+        handshake are refused (ERROR frame, logged) and the wait goes on until the deadline."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                host, port = self.address
+                raise PSTimeoutError(
+                    f"timed out after {timeout:g}s waiting for stage {self.stage - 1} to connect to stage "
+                    f"{self.stage}'s link at {host}:{port}; raise {TIMEOUT_KEY} if stages start slowly, "
+                    "otherwise check that executors can reach each other"
+                )
+            self._sock.settimeout(left)
+            try:
+                sock, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            link = self._handshake(sock, peer, min(left, HANDSHAKE_S))
+            if link is not None:
+                return link
+
+    def _handshake(self, sock: socket.socket, peer: tuple, handshake_s: float) -> Optional[StageLink]:
+        channel = _LinkChannel(sock, max_elements=0)
+        deadline = deadline_after(handshake_s)
+        rank = None
+        try:
+            set_socket_options(sock)
+            nonce = secrets.token_bytes(NONCE_SIZE)
+            channel.send_bytes(MsgType.CHALLENGE, nonce, generation=self.generation, rank=self.rank,
+                               timeout=handshake_s)
+            header = channel.recv_header(deadline)
+            if header.type is not MsgType.AUTH:
+                raise ProtocolError(f"expected AUTH, got {header.type.name}")
+            mac = channel.recv_bytes(header, deadline)
+            rank, generation = header.rank, header.generation
+            challenge = channel.recv_header(deadline)
+            if challenge.type is not MsgType.CHALLENGE:
+                raise ProtocolError(f"expected CHALLENGE after AUTH, got {challenge.type.name}")
+            their_nonce = channel.recv_bytes(challenge, deadline)
+        except TimeoutError:
+            return self._reject(channel, peer, f"no AUTH within {handshake_s:g}s of connecting")
+        except (PSError, OSError) as exc:
+            return self._reject(channel, peer, f"handshake failed: {exc}")
+        if not verify_mac(self._secret, nonce, rank, generation, mac):
+            return self._reject(channel, peer, f"authentication failed for rank {rank}: wrong secret")
+        if generation != self.generation:
+            return self._reject(channel, peer, f"rank {rank} belongs to generation {generation} but stage "
+                                               f"{self.stage} is at generation {self.generation}; stale task "
+                                               "from an earlier attempt")
+        if self.expect_rank is not None and rank != self.expect_rank:
+            return self._reject(channel, peer, f"rank {rank} is not stage {self.stage - 1} (expected rank "
+                                               f"{self.expect_rank})")
+        try:
+            channel.send_bytes(MsgType.AUTH, auth_mac(self._secret, their_nonce, self.rank, self.generation),
+                               generation=self.generation, rank=self.rank, timeout=handshake_s)
+        except (PSError, OSError) as exc:
+            return self._reject(channel, peer, f"rank {rank} vanished during the handshake: {exc}")
+        channel.max_elements = self.max_elements
+        logger.info("stage %s (rank %s) accepted the link from stage %s (rank %s) at %s",
+                    self.stage, self.rank, self.stage - 1, rank, peer)
+        return StageLink(channel, stage=self.stage, peer_stage=self.stage - 1, rank=self.rank,
+                         peer_rank=rank, generation=self.generation, timeout_s=self.timeout_s)
+
+    def _reject(self, channel: Channel, peer: tuple, reason: str) -> None:
+        logger.warning("stage %s refused a link connection from %s: %s", self.stage, peer, reason)
+        try:
+            channel.send_json(MsgType.ERROR, {"error": reason[:_MAX_ERROR_CHARS], "kind": "auth"},
+                              generation=self.generation, rank=self.rank, timeout=1.0)
+        except (PSError, OSError):
+            pass
+        channel.close()
+        return None
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:  # pragma: no cover
+            pass
+
+    def __enter__(self) -> "StageListener":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect_link(host: str, port: int, secret: Secret, generation: int, *, stage: int, rank: int,
+                 expect_rank: Optional[int] = None, max_elements: int = DEFAULT_MAX_ELEMENTS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> StageLink:
+    """Connect stage ``stage`` to stage ``stage + 1``'s listener at ``host:port`` and authenticate
+    both ways. ``expect_rank``, if given, is the only rank accepted as the downstream peer."""
+    what = f"the link handshake of stage {stage} (rank {rank}) with stage {stage + 1} at {host}:{port}"
+    secret_b = _secret_bytes(secret)
+    deadline = deadline_after(timeout_s)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except TimeoutError:
+        raise PSTimeoutError(f"timed out after {timeout_s:g}s connecting to stage {stage + 1} at {host}:{port}; "
+                             f"raise {TIMEOUT_KEY} or check that executors can reach each other") from None
+    except OSError as exc:
+        raise PSError(f"stage {stage} (rank {rank}) cannot reach stage {stage + 1} at {host}:{port}: {exc}") from exc
+    channel = _LinkChannel(sock, max_elements=0)
+    try:
+        set_socket_options(sock)
+        header = channel.recv_header(deadline)
+        if header.type is MsgType.ERROR:
+            raise AuthenticationError(_error_text(channel, header, deadline))
+        if header.type is not MsgType.CHALLENGE:
+            raise ProtocolError(f"expected CHALLENGE, got {header.type.name}")
+        nonce = channel.recv_bytes(header, deadline)
+        channel.send_bytes(MsgType.AUTH, auth_mac(secret_b, nonce, rank, generation), generation=generation,
+                           rank=rank, timeout=timeout_s)
+        our_nonce = secrets.token_bytes(NONCE_SIZE)
+        channel.send_bytes(MsgType.CHALLENGE, our_nonce, generation=generation, rank=rank, timeout=timeout_s)
+        header = channel.recv_header(deadline)
+        if header.type is MsgType.ERROR:
+            raise AuthenticationError(f"stage {stage + 1} at {host}:{port} refused stage {stage} (rank {rank}): "
+                                      f"{_error_text(channel, header, deadline)}")
+        if header.type is not MsgType.AUTH:
+            raise ProtocolError(f"expected AUTH, got {header.type.name}")
+        mac = channel.recv_bytes(header, deadline)
+        if header.generation != generation or not verify_mac(secret_b, our_nonce, header.rank, generation, mac):
+            raise AuthenticationError(f"the listener at {host}:{port} failed to prove it holds this job's secret "
+                                      f"for generation {generation}; refusing to send it activations")
+        if expect_rank is not None and header.rank != expect_rank:
+            raise AuthenticationError(f"the listener at {host}:{port} is rank {header.rank}, expected stage "
+                                      f"{stage + 1} on rank {expect_rank}")
+    except AuthenticationError:
+        channel.close()
+        raise
+    except TimeoutError:
+        channel.close()
+        raise PSTimeoutError(f"timed out after {timeout_s:g}s during {what}; raise {TIMEOUT_KEY}") from None
+    except PeerClosedError:
+        channel.close()
+        raise AuthenticationError(f"stage {stage + 1} at {host}:{port} closed the connection during {what} "
+                                  "(wrong secret or generation?)") from None
+    except (PSError, OSError) as exc:
+        channel.close()
+        raise AuthenticationError(f"{what} failed: {exc}") from exc
+    channel.max_elements = max_elements
+    logger.info("stage %s (rank %s) linked to stage %s (rank %s) at %s:%s", stage, rank, stage + 1,
+                header.rank, host, port)
+    return StageLink(channel, stage=stage, peer_stage=stage + 1, rank=rank, peer_rank=header.rank,
+                     generation=generation, timeout_s=timeout_s)

@@ -1,0 +1,206 @@
+"""The parameter server keyed by pipeline stage: one ``ParameterServer`` per stage, one driver-facing API.
+
+Why one server per stage: with ``parallelism.pipeline = P`` a stage's parameters are a contiguous slice
+of the whole model's flat vector (stages are contiguous runs of an ``nn.Sequential``), and only the D
+replicas of that stage push gradients for it. A per-stage server sees exactly those D workers (ranks
+0..D-1 = the replica index), so sync averaging, optimizer state, ``ps.shards``, checkpoints and failure
+handling work unchanged inside each stage; this facade maps stage-local ranks to global barrier ranks
+(``replica * P + stage``) and presents the ``ParameterServer`` API the launcher, watchdog and
+checkpointer use. Because every supported optimizer is elementwise, stepping each stage's slice is
+exactly stepping the whole vector.
+
+A failed stage worker closes its links, so its neighbours fail at once ("pipeline link ... broke"),
+and each stage server releases that stage's other replicas; stages are deliberately not aborted from
+here, because an abort could refuse a push already in flight and leave the stages one step apart. The
+root cause is the first failure, in arrival order across stages, that is a worker's own error rather
+than a broken link its neighbours saw as a consequence.
+
+Known limit (as with ``ps.shards``): a worker that dies between sending its activation gradients
+upstream and pushing its own gradient leaves its stage one step behind the others; ``new_generation``
+then refuses to continue (resume from a checkpoint instead of training on mixed parameters).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from pipeline.errors import PSError, WorkerFailure
+from pipeline.ps.server import ParameterServer
+
+log = logging.getLogger(__name__)
+
+# Text a stage worker puts in its error when a neighbour stage's link broke: a consequence, not a cause.
+LINK_CONSEQUENCE = "pipeline link"
+
+
+class StagedParameterServer:
+    """P per-stage servers over the slices ``stage_ranges`` of ``initial`` (see module docstring)."""
+
+    def __init__(self, initial: torch.Tensor, stage_ranges: list[tuple[int, int]], *, replicas: int,
+                 on_metrics: Optional[Callable[[int, dict], None]] = None, **server_kwargs):
+        flat = initial.detach().to(torch.float32).reshape(-1)
+        if stage_ranges[0][0] != 0 or stage_ranges[-1][1] != flat.numel() or any(
+                a[1] != b[0] for a, b in zip(stage_ranges, stage_ranges[1:])):
+            raise PSError(f"stage ranges {stage_ranges} must tile the {flat.numel()} parameters in order")
+        self.stages = len(stage_ranges)
+        self.replicas = replicas
+        self.stage_ranges = list(stage_ranges)
+        self._lock = threading.Lock()
+        self._arrivals: list[WorkerFailure] = []  # every failure on any stage, in arrival order
+        self._servers = [
+            ParameterServer(flat[start:end].clone(), world_size=replicas,
+                            on_metrics=self._metrics_sink(stage, on_metrics),
+                            on_failure=self._failure_sink(stage),
+                            **{**server_kwargs, "shards": min(server_kwargs.get("shards", 1), end - start)})
+            for stage, (start, end) in enumerate(stage_ranges)
+        ]
+
+    def global_rank(self, stage: int, replica: int) -> int:
+        return replica * self.stages + stage
+
+    def _metrics_sink(self, stage: int, on_metrics):
+        if on_metrics is None:
+            return None
+        return lambda replica, metrics: on_metrics(self.global_rank(stage, replica), metrics)
+
+    def _failure_sink(self, stage: int):
+        def on_failure(failure: WorkerFailure) -> None:
+            rank = self.global_rank(stage, failure.rank)
+            with self._lock:
+                self._arrivals.append(WorkerFailure(rank, failure.error, failure.log_tail))
+        return on_failure
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "StagedParameterServer":
+        started = []
+        try:
+            for server in self._servers:
+                server.start()
+                started.append(server)
+        except BaseException:
+            for server in started:
+                server.close()
+            raise
+        log.info("parameter server: %d stage servers %s", self.stages,
+                 ", ".join(f"stage {i} {s.address[0]}:{s.address[1]}[{a},{b})"
+                           for i, (s, (a, b)) in enumerate(zip(self._servers, self.stage_ranges))))
+        return self
+
+    def __enter__(self) -> "StagedParameterServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.close()
+
+    def fail(self, reason: str) -> None:
+        for server in self._servers:
+            server.fail(reason)
+
+    def new_generation(self, generation: int | None = None) -> int:
+        versions = [s.version for s in self._servers]
+        if len(set(versions)) > 1:
+            raise PSError(f"pipeline stages are at different versions {versions}: a step was applied on some "
+                          "stages only; restart from a checkpoint")
+        new = self._servers[0].new_generation(generation)
+        for server in self._servers[1:]:
+            server.new_generation(new)
+        with self._lock:
+            self._arrivals.clear()
+        return new
+
+    def _global(self, pick) -> dict[int, WorkerFailure]:
+        out: dict[int, WorkerFailure] = {}
+        for stage, server in enumerate(self._servers):
+            for replica, failure in pick(server).items():
+                rank = self.global_rank(stage, replica)
+                out[rank] = WorkerFailure(rank, failure.error, failure.log_tail)
+        return out
+
+    # -- read-only views ---------------------------------------------------------------------------
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """Each stage server's address, in stage order (stage p's workers connect to entry p)."""
+        return [s.address for s in self._servers]
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._servers[0].address
+
+    @property
+    def version(self) -> int:
+        return min(s.version for s in self._servers)
+
+    @property
+    def generation(self) -> int:
+        return self._servers[0].generation
+
+    @property
+    def num_params(self) -> int:
+        return self.stage_ranges[-1][1]
+
+    @property
+    def consistency(self):
+        return self._servers[0].consistency
+
+    def parameters(self) -> torch.Tensor:
+        """The whole model's flat parameters: the stages' slices concatenated in stage order."""
+        return torch.cat([s.parameters() for s in self._servers])
+
+    @property
+    def failures(self) -> dict[int, WorkerFailure]:
+        return self._global(lambda s: s.failures)
+
+    @property
+    def root_failures(self) -> dict[int, WorkerFailure]:
+        """The first failure, across stages, that is not a broken pipeline link (those are what the
+        failed stage's neighbours see), else the first failure."""
+        with self._lock:
+            arrivals = list(self._arrivals)
+        own = [f for f in arrivals if LINK_CONSEQUENCE not in f.error]
+        chosen = (own or arrivals)[:1]
+        return {f.rank: f for f in chosen}
+
+    @property
+    def registered_ranks(self) -> set[int]:
+        return {self.global_rank(stage, r) for stage, s in enumerate(self._servers) for r in s.registered_ranks}
+
+    @property
+    def finished_ranks(self) -> set[int]:
+        return {self.global_rank(stage, r) for stage, s in enumerate(self._servers) for r in s.finished_ranks}
+
+    @property
+    def aborted(self) -> bool:
+        return any(s.aborted for s in self._servers)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        per = [s.stats for s in self._servers]
+        merged = dict(per[0])
+        for key in ("bytes_received", "bytes_sent", "push_payload_bytes"):
+            merged[key] = sum(p.get(key, 0) for p in per)
+        merged["steps_applied_by_rank"] = {
+            self.global_rank(stage, replica): steps
+            for stage, p in enumerate(per) for replica, steps in p.get("steps_applied_by_rank", {}).items()}
+        merged["stages"] = self.stages
+        merged["by_stage"] = per
+        return merged
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        states = [s.state_dict(timeout_s) for s in self._servers]
+        return {"version": min(st["version"] for st in states), "stages": states,
+                "stage_ranges": [list(r) for r in self.stage_ranges]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if [tuple(r) for r in state.get("stage_ranges", [])] != self.stage_ranges:
+            raise PSError(f"the checkpoint was cut into stages {state.get('stage_ranges')}, this run into "
+                          f"{self.stage_ranges}; use the same parallelism.pipeline/cuts or start fresh")
+        for server, st in zip(self._servers, state["stages"]):
+            server.load_state_dict(st)

@@ -1,0 +1,244 @@
+"""The per-task loop of one pipeline stage (``parallelism.pipeline > 1``): GPipe steps, then the stage's PS
+exchange.
+
+Barrier rank ``g`` is stage ``g % P`` of replica ``g // P``. Each stage is an ordinary PS worker of its
+stage's server (rank = replica index, world = D), so the server averages the D replicas' gradients of
+that stage and steps its slice; with ``train.backend: allreduce`` the stage group averages gradients
+with one allreduce per step instead. Only the first stage reads features and only the last reads
+labels, from the replica's shard with the same seeded shuffle, so their batches line up row for row.
+
+No Spark here: links and addresses come in as plain values, so stages can run in threads in tests.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from pipeline.worker.plan import WorkerPlan
+
+log = logging.getLogger(__name__)
+
+# Marks a stage's error as fallout of a neighbour's failure (pipeline.ps.staged ranks root causes by it).
+LINK_CONSEQUENCE = "pipeline link"
+
+
+class StageLinkError(RuntimeError):
+    """A stage's link to a neighbour broke (usually because that neighbour failed first). Not a PSError
+    on purpose: the worker then reports it to its stage's PS (FAIL), so the driver can tell it from the
+    neighbour's own failure."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """plan.extra["pipeline"]: where this task sits in the D x P grid."""
+
+    stage: int
+    stages: int
+    replica: int
+    replicas: int
+    micro_batches: int
+    cuts: Optional[tuple[int, ...]] = None
+
+    @classmethod
+    def of(cls, plan: WorkerPlan) -> "StagePlan":
+        data = dict(plan.extra["pipeline"])
+        data["cuts"] = tuple(data["cuts"]) if data.get("cuts") is not None else None
+        return cls(**{k: data[k] for k in ("stage", "stages", "replica", "replicas", "micro_batches", "cuts")})
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+@dataclass(frozen=True)
+class StageWiring:
+    """How this stage reaches its neighbours: its listener for the previous stage (None on stage 0) and
+    the next stage's listener address (None on the last stage)."""
+
+    listener: object = None
+    next_address: Optional[tuple[str, int]] = None
+
+
+def model_stages(model, stages: int, cuts=None) -> list:
+    """The stage modules of the whole model (a factory's own stages when it returned a list of them)."""
+    from pipeline.parallel.stages import split_stages
+
+    if getattr(model, "shardline_stages", False):
+        return split_stages(list(model.children()), stages, cuts)
+    return split_stages(model, stages, cuts)
+
+
+def run_stage(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, wiring: StageWiring, *,
+              device: str = "cpu", rendezvous=None, log_tail=None):
+    """Train this task's stage; raise on any failure (the caller reports it, naming rank and stage)."""
+    import torch
+
+    from pipeline.models import ModelSpec, build_model, loss_fn
+    from pipeline.ps import PSClient
+    from pipeline.worker.loop import WorkerResult, make_train_loader
+
+    grid = StagePlan.of(plan)
+    level = logging.INFO if plan.rank == 0 else logging.DEBUG
+    torch.manual_seed(plan.seed + plan.rank)
+    started = time.perf_counter()
+    with PSClient(ps_host, ps_port, rank=grid.replica, secret=secret, generation=plan.generation,
+                  timeout_s=plan.ps_timeout_s, log_tail=log_tail) as client:
+        info = client.connect()
+        loader = None
+        if grid.is_first or grid.is_last:
+            # Seeded by the replica, so the first and last stage of a replica draw the same rows.
+            # The arrow reader skips the column a stage does not need; petastorm reads both.
+            skip = plan.extra.get("loader", {}).get("reader", "arrow") == "arrow"
+            loader = make_train_loader(replace(
+                plan, rank=grid.replica,
+                features_field=plan.features_field if grid.is_first or not skip else None,
+                label_field=plan.label_field if grid.is_last or not skip else None))
+        module = model_stages(build_model(ModelSpec.from_dict(plan.model)), grid.stages, grid.cuts)[grid.stage]
+        module = module.to(device)
+        group = _stage_group(rendezvous, plan, grid, device) if plan.backend == "allreduce" else nullcontext()
+        with group, _links(plan, grid, secret, wiring) as (prev, nxt):
+            from pipeline.parallel.schedule import GPipeStage
+
+            gpipe = GPipeStage(module, stage=grid.stage, stages=grid.stages, micro_batches=grid.micro_batches,
+                               prev=prev, next=nxt, loss_fn=loss_fn(plan.task) if grid.is_last else None,
+                               device=torch.device(device))
+            result = _train(plan, grid, client, info, module, gpipe, loader, device, level, started)
+        client.finish()
+    return WorkerResult(**result)
+
+
+class _links:
+    """Accept the previous stage's link, then connect to the next (in that order on every stage, so the
+    chain forms without a deadlock); both closed on the way out."""
+
+    def __init__(self, plan: WorkerPlan, grid: StagePlan, secret: bytes, wiring: StageWiring):
+        self.plan, self.grid, self.secret, self.wiring = plan, grid, secret, wiring
+        self.prev = self.next = None
+
+    def __enter__(self):
+        from pipeline.parallel.link import connect_link
+
+        plan, grid = self.plan, self.grid
+        if not grid.is_first:
+            self.prev = self.wiring.listener.accept(plan.ps_timeout_s)
+        if not grid.is_last:
+            host, port = self.wiring.next_address
+            self.next = connect_link(host, int(port), self.secret, plan.generation, stage=grid.stage, rank=plan.rank,
+                                     expect_rank=plan.rank + 1, timeout_s=plan.ps_timeout_s)
+        return self.prev, self.next
+
+    def __exit__(self, *exc) -> None:
+        for link in (self.prev, self.next):
+            if link is not None:
+                link.close()
+        if self.wiring.listener is not None:
+            self.wiring.listener.close()
+
+
+def _stage_group(rendezvous, plan: WorkerPlan, grid: StagePlan, device: str):
+    from pipeline.worker.distributed import process_group
+
+    if rendezvous is None:
+        raise ValueError("train.backend=allreduce needs a rendezvous address for the stage group")
+    return process_group(rendezvous, grid.replica, grid.replicas, device)
+
+
+def _allreduce_gradients(module, replicas: int) -> None:
+    """The stage group's mean gradient, in place (one flat allreduce per step)."""
+    import torch.distributed as dist
+
+    from pipeline.models.flat import flat_gradients
+
+    flat = flat_gradients(module)
+    dist.all_reduce(flat)
+    flat /= replicas
+    offset = 0
+    for p in module.parameters():
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def _train(plan: WorkerPlan, grid: StagePlan, client, info, module, gpipe, loader, device: str, level: int,
+           started: float) -> dict:
+    import torch
+
+    from pipeline.errors import PSError
+    from pipeline.worker.exchange import make_exchange
+    from pipeline.worker.loop import FORWARD_EVERY_S, _forward_logs, _inject_faults, _LogForwarder
+
+    forwarder = _LogForwarder(logging.INFO if plan.rank == 0 else logging.WARNING)
+    logging.getLogger("pipeline").addHandler(forwarder)
+    total_steps = plan.steps_per_epoch * plan.epochs
+    exchange = make_exchange(client, info, module, total_steps, plan.optimizer, plan.backend)
+    try:
+        step = exchange.start()
+        first_epoch, skip = divmod(step, plan.steps_per_epoch)
+        log.log(level, "rank %d = stage %d/%d of replica %d/%d: %d parameters, %d micro-batches, starting at step %d",
+                plan.rank, grid.stage, grid.stages, grid.replica, grid.replicas, info.num_params,
+                grid.micro_batches, step)
+        samples, last_loss, last_forward = 0, float("nan"), time.monotonic()
+        for epoch in range(first_epoch, plan.epochs):
+            start = skip if epoch == first_epoch else 0
+            batches = loader.epoch(epoch, start_step=start) if loader is not None else None
+            epoch_started = time.perf_counter()
+            loss_sum, rows = 0.0, 0
+            gpipe.take()
+            for _ in range(start, plan.steps_per_epoch):
+                x = y = None
+                if batches is not None:
+                    x, y = next(batches)
+                    if device != "cpu":
+                        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                _inject_faults(plan, step)
+                for p in module.parameters():
+                    p.grad = None
+                try:
+                    stats = gpipe.step(step, features=x if grid.is_first else None, labels=y if grid.is_last else None)
+                except PSError as exc:
+                    raise StageLinkError(f"{LINK_CONSEQUENCE} of stage {grid.stage} broke in step {step}: {exc}") from exc
+                if plan.backend == "allreduce":
+                    _allreduce_gradients(module, grid.replicas)
+                step = exchange.after_backward(step)
+                if grid.is_last:
+                    loss_sum += stats.loss * stats.rows
+                    rows += stats.rows
+                if time.monotonic() - last_forward > FORWARD_EVERY_S:
+                    _forward_logs(client, forwarder)
+                    last_forward = time.monotonic()
+            seconds = time.perf_counter() - epoch_started
+            epoch_stats = gpipe.take()
+            samples += rows
+            metrics = {"epoch": epoch, "step": step, "samples": rows, "seconds": seconds,
+                       "step_time_s": seconds / max(plan.steps_per_epoch - start, 1), "stage": grid.stage,
+                       "compute_s": epoch_stats.compute_s, "idle_s": epoch_stats.idle_s,
+                       "bytes_sent": float(epoch_stats.bytes_sent), "bubble_fraction": epoch_stats.bubble_fraction,
+                       **exchange.stats.take()}
+            if grid.is_last:
+                last_loss = loss_sum / max(rows, 1)
+                metrics["train_loss"] = last_loss
+            log.log(level, "rank %d (stage %d) epoch %d: compute %.2fs, idle %.2fs (bubble %.0f%%)%s", plan.rank,
+                    grid.stage, epoch, epoch_stats.compute_s, epoch_stats.idle_s,
+                    100 * epoch_stats.bubble_fraction, f", loss {last_loss:.4f}" if grid.is_last else "")
+            client.report({**metrics, "log": forwarder.take()})
+            last_forward = time.monotonic()
+    finally:
+        logging.getLogger("pipeline").removeHandler(forwarder)
+    digest = parameters = None
+    if plan.backend == "allreduce":
+        import hashlib
+
+        from pipeline.models import flat_parameters
+
+        raw = flat_parameters(module).cpu().contiguous().numpy().tobytes()
+        digest = hashlib.sha256(raw).hexdigest()
+        parameters = raw if grid.replica == 0 else None  # replica 0 of each stage returns the stage's slice
+    return {"rank": plan.rank, "steps": step, "samples": samples, "seconds": time.perf_counter() - started,
+            "final_train_loss": last_loss, "device": device, "parameters_digest": digest, "parameters": parameters}
