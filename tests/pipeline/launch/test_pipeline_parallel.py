@@ -88,7 +88,16 @@ spark = get_or_create_spark(cfg.spark)
 outcome = steps.run_all(spark, cfg)
 import mlflow
 run = mlflow.get_run(outcome.run_id)
-print("RESULT " + json.dumps({{"metrics": outcome.test_metrics,
+# The same grid with train.backend=allreduce: each stage's two replicas average gradients in their own
+# process group instead of through the stage's PS.
+from pipeline.evaluate import evaluate
+from pipeline.launch import train
+allreduce = cfg.model_copy(update={{"name": "hybrid-ar", "train": cfg.train.model_copy(update={{"backend": "allreduce"}})}})
+manifest = steps.etl(spark, cfg)
+trained = train(spark, allreduce, manifest)
+ar_accuracy = evaluate(spark, manifest, trained.spec, trained.parameters, "test").metrics["accuracy"]
+print("RESULT " + json.dumps({{"metrics": outcome.test_metrics, "allreduce_accuracy": ar_accuracy,
+                              "allreduce_digests": len({{r["parameters_digest"] for r in trained.ranks}}),
                               "logged": sorted(k for k in run.data.metrics if k.startswith("stage"))}}))
 """
 
@@ -103,5 +112,18 @@ def test_hybrid_data_2_pipeline_2_on_four_barrier_tasks(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert result["metrics"]["accuracy"] >= 0.93, result
+    assert result["allreduce_accuracy"] >= 0.93, result
+    assert result["allreduce_digests"] == 2  # one per stage: the replicas of each stage agree bit for bit
     for stage in (0, 1):
         assert f"stage{stage}/bubble_fraction" in result["logged"], result["logged"]
+
+
+def test_pipeline_checkpoints_resume_with_the_per_stage_servers(spark, digits):
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 1, cfg.train.batch_size)
+    first = train(spark, _with(cfg, "pp-resume", train={"epochs": 2, "checkpoint_every": steps}), manifest)
+    assert first.steps == 2 * steps
+    resumed = train(spark, _with(cfg, "pp-resume", train={"epochs": 3, "checkpoint_every": steps}), manifest,
+                    resume=True)
+    assert resumed.resumed_from_step == 2 * steps and resumed.steps == 3 * steps
+    assert [row["epoch"] for row in resumed.history] == [0, 1, 2]

@@ -125,3 +125,24 @@ def test_a_failing_stage_is_the_root_cause_and_its_neighbours_stop(tmp_path):
     assert sorted(errors) == [0, 1, 2]
     assert "pipeline link" in str(errors[0]) or "stage 1" in str(errors[0])
     assert version == 3
+
+
+def test_a_factory_returning_stage_modules_is_cut_exactly_there(monkeypatch):
+    import torch.nn as nn
+
+    import pipeline.models.build as build
+    from pipeline.worker.stage_loop import model_stages
+
+    def factory(num_features, num_outputs):
+        # Unbalanced on purpose: balancing by parameter count would cut elsewhere.
+        return [nn.Sequential(nn.Linear(num_features, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU()),
+                nn.Sequential(nn.Linear(64, num_outputs))]
+
+    monkeypatch.setattr(build, "_resolve_factory", lambda path: factory)
+    spec = ModelSpec(kind="factory", num_features=4, num_outputs=3, task="classification", factory="x:y")
+    model = build_model(spec)
+    stages = model_stages(model, 2)
+    assert [len(s) for s in stages] == [4, 1]
+    assert torch.equal(torch.cat([flat_parameters(s) for s in stages]), flat_parameters(model))
+    x = torch.randn(5, 4)
+    assert torch.equal(stages[1](stages[0](x)), model(x))  # the whole model is the stages composed
