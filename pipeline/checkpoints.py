@@ -50,6 +50,21 @@ class CheckpointStore:
                 found.append(CheckpointInfo(str(path), int(match.group(1))))
         return sorted(found, key=lambda c: c.step)
 
+    def archive_previous(self) -> int:
+        """Move checkpoints of an earlier run into `previous/` (replacing what an even earlier run left
+        there), so this run's pruning, retries and a later --resume see only this run's files. Returns
+        how many were moved; nothing is deleted but the run before the previous one."""
+        found = self.list()
+        if not found:
+            return 0
+        archive = f"{self._root}/previous"
+        if self._fs.exists(archive):
+            self._fs.rm(archive, recursive=True)
+        self._fs.makedirs(archive, exist_ok=True)
+        for info in found:
+            self._fs.mv(info.path, f"{archive}/{info.path.rsplit('/', 1)[-1]}")
+        return len(found)
+
     def latest(self) -> Optional[CheckpointInfo]:
         found = self.list()
         return found[-1] if found else None

@@ -372,4 +372,8 @@ class PipelineConfig(_Section):
                 raise ValueError("parallelism.pipeline > 1 needs ps.placement=driver (one PS per stage, on the driver)")
             if self.ps.compression == "topk":
                 raise ValueError("parallelism.pipeline > 1 does not support ps.compression=topk yet; use none/fp16/bf16")
+            if self.data.reader == "petastorm" and self.data.reader_threads > 1:
+                raise ValueError("parallelism.pipeline > 1 with data.reader=petastorm needs data.reader_threads=1: "
+                                 "petastorm's thread pool returns row groups in completion order, so the first "
+                                 "and last stage could see rows in different orders")
         return self

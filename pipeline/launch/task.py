@@ -76,13 +76,20 @@ def make_task_fn(plans: list[dict], ps_host: str | None, ps_port: int | None, se
             if pipeline is not None:
                 from pipeline.worker.stage_loop import StageWiring
 
-                wiring = StageWiring(listener, found.get("next_link"))
-                listener = None  # the stage loop owns (and closes) it now
+                wiring = StageWiring(listener, found.get("next_link"))  # closed by the stage loop, and below
             row = run_rank(plan, address[0], int(address[1]), secret, log_tail_lines, gpu=gpu,
                            rendezvous=found.get("allreduce"), wiring=wiring)
             if host_ps is not None:
                 host_ps.wait_for_peers()
-                row["ps_report"] = _encode_report(host_ps.report(failed=not row["ok"]))
+                report = host_ps.report(failed=not row["ok"])
+                stuck = host_ps.stuck_ranks()
+                if stuck:
+                    from pipeline.launch.task_ps import failure_error
+
+                    if not row["ok"]:  # rank 0's own error says more than the PS's "closed its connection"
+                        report["failures"][str(rank)] = [row["error"], row["log_tail"] or ""]
+                    raise failure_error(report, stuck)
+                row["ps_report"] = _encode_report(report)
                 if plan["backend"] == "ps":
                     row["parameters"] = host_ps.parameters_bytes()
             yield from _batches(row)

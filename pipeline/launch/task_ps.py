@@ -155,9 +155,50 @@ class HostedPS:
             "address": "%s:%d" % self.server.address,
         }
 
+    def stuck_ranks(self) -> list[int]:
+        """Ranks that neither finished nor reported a failure (e.g. a task blocked in a hung read)."""
+        done = self.server.finished_ranks | set(self.server.failures)
+        return sorted(set(range(self.spec.world_size)) - done)
+
     def parameters_bytes(self) -> bytes:
         return self.server.parameters().contiguous().numpy().tobytes()
 
 
 def encode_report(report: dict) -> str:
     return json.dumps(report, default=str)
+
+
+_REPORT_TAG = "shardline-task-ps-failure:"
+_MAX_EMBEDDED = 6000
+
+
+class PeersStuckError(RuntimeError):
+    """Raised by rank 0's task when ranks neither finished nor failed by the deadline: failing the task
+    makes Spark tear the whole barrier stage down (the stuck tasks included), which the driver cannot do
+    for a task-hosted PS. The message carries the PS's failure account, compact, for the driver."""
+
+
+def failure_error(report: dict, stuck: list[int]) -> PeersStuckError:
+    import base64
+
+    failures = {r: [e[:400], "\n".join((t or "").splitlines()[-15:])[:1500]]
+                for r, (e, t) in list(report.get("failures", {}).items())[:8]}
+    reason = (f"rank(s) {stuck} neither finished nor failed within ps.timeout_s after the attempt failed; "
+              "rank 0 (which hosts the PS) stopped the barrier stage")
+    compact = {"root_failures": report.get("root_failures", []), "failures": failures, "reason": reason}
+    encoded = base64.b64encode(json.dumps(compact).encode())[:_MAX_EMBEDDED].decode()
+    return PeersStuckError(f"{reason} {_REPORT_TAG}{encoded}")
+
+
+def decode_failure_report(text: str) -> dict | None:
+    """The compact failure account a PeersStuckError carried through Spark's error text, if any."""
+    import base64
+    import re
+
+    found = re.search(re.escape(_REPORT_TAG) + r"([A-Za-z0-9+/=]+)", text)
+    if not found:
+        return None
+    try:
+        return json.loads(base64.b64decode(found.group(1)))
+    except Exception:  # truncated on the way: the driver falls back to Spark's own error
+        return None

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import ConfigError, WorkerFailure, WorkerTrainingFailedError
+from pipeline.errors import ConfigError, PSError, WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.preflight import check_barrier_slots
 from pipeline.launch.progress import EpochProgress, StepProgress
 from pipeline.launch.task import RESULT_SCHEMA, make_task_fn, merge_chunks
+from pipeline.launch.task_ps import decode_failure_report
 from pipeline.launch.watchdog import StageWatchdog
 from pipeline.models import ModelSpec, build_model, flat_parameters, model_spec
 from pipeline.shards import Manifest, rank_files, steps_per_epoch
@@ -164,6 +165,11 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     if resume and allreduce:
         raise ConfigError("--resume needs train.backend=ps: with allreduce the state lives only in the workers' "
                           "replicas, so there is no server state to checkpoint")
+    if not resume:
+        moved = store.archive_previous()
+        if moved:
+            log.info("moved %d checkpoint(s) of an earlier run to %s/previous (start with --resume to continue "
+                     "that run instead)", moved, store.directory)
     if resume:
         latest = store.latest()
         if latest is None:
@@ -172,6 +178,11 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
         resumed = store.load(latest)
         check_compatible(resumed, latest.path, fingerprint=manifest.fingerprint, model=spec.to_dict(),
                          world_size=replicas, mode=cfg.ps.mode, steps_per_epoch=steps)
+        saved_stages = len(resumed["ps"].get("stages", [None]))
+        if saved_stages != stages:
+            raise ConfigError(f"cannot resume from checkpoint {latest.path}: it was trained with "
+                              f"parallelism.pipeline={saved_stages}, the config says {stages} (use the same "
+                              "parallelism.pipeline and cuts, or start fresh)")
     torch.manual_seed(cfg.train.seed)  # every worker starts from the server's copy of this initialization
     initial = flat_parameters(build_model(spec))
     if initial_parameters is not None:  # a warm start (e.g. from the champion)
@@ -190,6 +201,8 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
 
     progress = EpochProgress(workers, cfg.train.epochs, epoch_done)
     if cfg.ps.placement == "task":
+        if resumed is not None:
+            progress.restore(resumed["history"])  # epochs already logged by the run being resumed
         return _train_with_task_ps(spark, cfg, manifest, spec, steps, store, latest if resumed else None,
                                    initial_parameters, progress, expected, checkpoint_extra)
     host = _ps_host(spark, cfg)
@@ -282,7 +295,11 @@ def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manif
             log.warning("attempt %d of %d failed; retrying from step %d with the PS state kept\n%s", attempt,
                         cfg.train.max_attempts, server.version, failure)
             checkpointer.save(f"after failed attempt {attempt}")
-            server.new_generation()
+            try:
+                server.new_generation()
+            except PSError as exc:  # e.g. pipeline stages left one step apart: cannot continue safely
+                failure.cause = f"{failure.cause + '; ' if failure.cause else ''}cannot retry: {exc}"
+                raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped) from failure
             attempt += 1
 
 
@@ -394,10 +411,23 @@ def _train_with_task_ps(spark, cfg: PipelineConfig, manifest: Manifest, spec: Mo
     if version != expected:
         raise WorkerTrainingFailedError({}, cause=f"training applied {version} steps, expected {expected}")
     ranks = [{k: v for k, v in r.items() if k not in ("parameters", "ps_report")} for r in rows]
+    stats = dict(report["stats"])  # through JSON: restore the integer rank keys
+    if isinstance(stats.get("steps_applied_by_rank"), dict):
+        stats["steps_applied_by_rank"] = {int(k): v for k, v in stats["steps_applied_by_rank"].items()}
+    _warn_if_checkpoints_invisible(store, report)
     log.info("training done: %d steps in %.1fs (PS in rank 0's task at %s)", version, seconds, report["address"])
     return TrainResult(spec=spec, parameters=parameters, history=progress.history, ranks=ranks, steps=version,
-                       seconds=seconds, ps_stats=report["stats"], failed_attempts=failed_attempts,
+                       seconds=seconds, ps_stats=stats, failed_attempts=failed_attempts,
                        resumed_from_step=resumed_from.step if resumed_from else None)
+
+
+def _warn_if_checkpoints_invisible(store, report: dict) -> None:
+    """Rank 0's task writes the checkpoints; a path only its executor can see makes retries start over."""
+    written = set(report.get("checkpoints") or [])
+    if written and not written & {c.step for c in store.list()}:
+        log.warning("rank 0's task wrote checkpoints at steps %s to %s, but the driver cannot see them there: "
+                    "with ps.placement=task, train.checkpoint_dir must be shared storage (an fsspec URL or a "
+                    "mount every node sees), or a retry starts from scratch", sorted(written), store.directory)
 
 
 def _own_latest(store, launch_id: str, fallback):
@@ -429,9 +459,18 @@ def _run_task_attempt(spark, cfg: PipelineConfig, plans: list[dict], secret: byt
     try:
         rows = merge_chunks([r.asDict() for r in spark.range(0, workers, 1, workers)
                              .mapInArrow(task_fn, RESULT_SCHEMA, barrier=True).collect()])
-    except Exception as exc:
+    except BaseException as exc:
         _interrupt(spark, tag)
+        if not isinstance(exc, Exception):  # KeyboardInterrupt & co: stop, do not retry
+            raise
         why = _spark_error_summary(exc)
+        embedded = decode_failure_report(str(exc))
+        if embedded and embedded.get("failures"):
+            # Rank 0 stopped the stage itself (ranks stuck past the deadline) and sent its PS's account.
+            roots = [int(r) for r in embedded.get("root_failures", [])] or [int(r) for r in embedded["failures"]]
+            failures = {int(r): WorkerFailure(int(r), e, t) for r, (e, t) in embedded["failures"].items()
+                        if int(r) in roots[:1]}
+            raise WorkerTrainingFailedError(failures, attempt, cause=embedded.get("reason", why)) from exc
         # No rank could report (the stage is torn down as soon as one task dies); Spark names the task.
         crashed = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", str(exc))
         rank = int(crashed.group(1)) if crashed else -1

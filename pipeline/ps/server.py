@@ -60,7 +60,7 @@ def partition(num_params: int, shards: int) -> list[tuple[int, int]]:
 class FailureBoard:
     """One verdict per failed rank for all shards of a server (see module docstring)."""
 
-    def __init__(self, on_failure: Callable[[WorkerFailure], None] | None = None) -> None:
+    def __init__(self, on_failure: Callable[[WorkerFailure, bool], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._shards: list[ShardServer] = []
         self._failed: set[int] = set()
@@ -82,7 +82,7 @@ class FailureBoard:
             self._failed.add(failure.rank)
         if self._on_failure is not None:  # in arrival order, before any waiter is released
             try:
-                self._on_failure(failure)
+                self._on_failure(failure, consequence)
             except Exception:  # an observer must not stop the failure from being recorded
                 logger.exception("on_failure callback failed for rank %s", failure.rank)
         # Never holds the board's lock while taking a shard's lock: no lock-order cycle.
@@ -109,14 +109,15 @@ class ParameterServer:
         compression: str = "none",
         topk_ratio: float = 0.01,
         shards: int = 1,
-        on_failure: Callable[[WorkerFailure], None] | None = None,
+        on_failure: Callable[[WorkerFailure, bool], None] | None = None,
     ) -> None:
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
             raise PSError("the parameter server needs a non-empty initial parameter tensor")
         flat = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         self._ranges = partition(flat.numel(), int(shards))
         self._num_params = flat.numel()
-        # on_failure (called once per failed rank, in arrival order) observes failures through the board.
+        # on_failure(failure, consequence) (once per failed rank, in arrival order) observes failures through
+        # the board; consequence: the rank failed after another rank of this server had.
         self._board = FailureBoard(on_failure) if len(self._ranges) > 1 or on_failure is not None else None
         self._shards = [
             ShardServer(flat[start:end], world_size=world_size, secret=secret, optimizer=optimizer,

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 # Text a stage worker puts in its error when a neighbour stage's link broke: a consequence, not a cause.
 LINK_CONSEQUENCE = "pipeline link"
+# Errors a stage worker raises because of another stage's failure (see worker.stage_loop).
+CONSEQUENCE_MARKERS = (LINK_CONSEQUENCE, "stage group allreduce")
 
 
 class StagedParameterServer:
@@ -49,7 +51,8 @@ class StagedParameterServer:
         self.replicas = replicas
         self.stage_ranges = list(stage_ranges)
         self._lock = threading.Lock()
-        self._arrivals: list[WorkerFailure] = []  # every failure on any stage, in arrival order
+        # Every failure on any stage, in arrival order, with its stage server's consequence verdict.
+        self._arrivals: list[tuple[WorkerFailure, bool]] = []
         self._servers = [
             ParameterServer(flat[start:end].clone(), world_size=replicas,
                             on_metrics=self._metrics_sink(stage, on_metrics),
@@ -67,10 +70,10 @@ class StagedParameterServer:
         return lambda replica, metrics: on_metrics(self.global_rank(stage, replica), metrics)
 
     def _failure_sink(self, stage: int):
-        def on_failure(failure: WorkerFailure) -> None:
+        def on_failure(failure: WorkerFailure, consequence: bool) -> None:
             rank = self.global_rank(stage, failure.rank)
             with self._lock:
-                self._arrivals.append(WorkerFailure(rank, failure.error, failure.log_tail))
+                self._arrivals.append((WorkerFailure(rank, failure.error, failure.log_tail), consequence))
         return on_failure
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -163,8 +166,9 @@ class StagedParameterServer:
         failed stage's neighbours see), else the first failure."""
         with self._lock:
             arrivals = list(self._arrivals)
-        own = [f for f in arrivals if LINK_CONSEQUENCE not in f.error]
-        chosen = (own or arrivals)[:1]
+        own = [f for f, consequence in arrivals
+               if not consequence and not any(marker in f.error for marker in CONSEQUENCE_MARKERS)]
+        chosen = (own or [f for f, _ in arrivals])[:1]
         return {f.rank: f for f in chosen}
 
     @property
@@ -194,13 +198,29 @@ class StagedParameterServer:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        states = [s.state_dict(timeout_s) for s in self._servers]
-        return {"version": min(st["version"] for st in states), "stages": states,
-                "stage_ranges": [list(r) for r in self.stage_ranges]}
+        """Every stage's state at one version: stages apply a step at different moments (the last stage
+        first), so the snapshot is retaken until they agree; a resume needs them in step."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [s.state_dict(timeout_s) for s in self._servers]
+            versions = sorted({st["version"] for st in states})
+            if len(versions) == 1:
+                return {"version": versions[0], "stages": states,
+                        "stage_ranges": [list(r) for r in self.stage_ranges]}
+            if time.monotonic() > deadline:
+                raise PSError(f"could not take a consistent snapshot: pipeline stages stayed at versions "
+                              f"{versions} for {timeout_s:g}s")
+            time.sleep(0.002)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if [tuple(r) for r in state.get("stage_ranges", [])] != self.stage_ranges:
             raise PSError(f"the checkpoint was cut into stages {state.get('stage_ranges')}, this run into "
                           f"{self.stage_ranges}; use the same parallelism.pipeline/cuts or start fresh")
+        versions = sorted({st["version"] for st in state["stages"]})
+        if len(versions) != 1:
+            raise PSError(f"the checkpoint holds pipeline stages at different versions {versions}; resume from "
+                          "an earlier checkpoint")
         for server, st in zip(self._servers, state["stages"]):
             server.load_state_dict(st)

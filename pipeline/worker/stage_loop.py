@@ -78,13 +78,23 @@ def model_stages(model, stages: int, cuts=None) -> list:
 def run_stage(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, wiring: StageWiring, *,
               device: str = "cpu", rendezvous=None, log_tail=None):
     """Train this task's stage; raise on any failure (the caller reports it, naming rank and stage)."""
+    grid = StagePlan.of(plan)
+    try:
+        return _run_stage(plan, grid, ps_host, ps_port, secret, wiring, device=device, rendezvous=rendezvous,
+                          log_tail=log_tail)
+    finally:
+        if wiring.listener is not None:  # also when failing before the links were set up
+            wiring.listener.close()
+
+
+def _run_stage(plan: WorkerPlan, grid: StagePlan, ps_host: str, ps_port: int, secret: bytes, wiring: StageWiring,
+               *, device: str, rendezvous, log_tail):
     import torch
 
     from pipeline.models import ModelSpec, build_model, loss_fn
     from pipeline.ps import PSClient
     from pipeline.worker.loop import WorkerResult, make_train_loader
 
-    grid = StagePlan.of(plan)
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
     torch.manual_seed(plan.seed + plan.rank)
     started = time.perf_counter()
@@ -123,15 +133,20 @@ class _links:
         self.prev = self.next = None
 
     def __enter__(self):
+        from pipeline.errors import PSError
         from pipeline.parallel.link import connect_link
 
         plan, grid = self.plan, self.grid
-        if not grid.is_first:
-            self.prev = self.wiring.listener.accept(plan.ps_timeout_s)
-        if not grid.is_last:
-            host, port = self.wiring.next_address
-            self.next = connect_link(host, int(port), self.secret, plan.generation, stage=grid.stage, rank=plan.rank,
-                                     expect_rank=plan.rank + 1, timeout_s=plan.ps_timeout_s)
+        try:
+            if not grid.is_first:
+                self.prev = self.wiring.listener.accept(plan.ps_timeout_s)
+            if not grid.is_last:
+                host, port = self.wiring.next_address
+                self.next = connect_link(host, int(port), self.secret, plan.generation, stage=grid.stage,
+                                         rank=plan.rank, expect_rank=plan.rank + 1, timeout_s=plan.ps_timeout_s)
+        except PSError as exc:
+            self.__exit__(None, None, None)
+            raise StageLinkError(f"{LINK_CONSEQUENCE} of stage {grid.stage} could not be set up: {exc}") from exc
         return self.prev, self.next
 
     def __exit__(self, *exc) -> None:
@@ -205,7 +220,11 @@ def _train(plan: WorkerPlan, grid: StagePlan, client, info, module, gpipe, loade
                 except PSError as exc:
                     raise StageLinkError(f"{LINK_CONSEQUENCE} of stage {grid.stage} broke in step {step}: {exc}") from exc
                 if plan.backend == "allreduce":
-                    _allreduce_gradients(module, grid.replicas)
+                    try:
+                        _allreduce_gradients(module, grid.replicas)
+                    except RuntimeError as exc:  # a peer replica of this stage went away first
+                        raise StageLinkError(f"stage group allreduce of stage {grid.stage} failed in step {step}: "
+                                             f"{exc}") from exc
                 step = exchange.after_backward(step)
                 if grid.is_last:
                     loss_sum += stats.loss * stats.rows

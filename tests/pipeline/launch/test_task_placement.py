@@ -64,8 +64,9 @@ def test_a_killed_rank_is_retried_from_the_task_ps_checkpoint(spark, digits):
     [failure] = result.failed_attempts
     # Spark tears the stage down when a task dies, so the rank is named from Spark's report.
     assert failure["ranks"] == [1] and "the task of rank 1 died" in failure["error"]
-    # The retry resumed from this run's newest checkpoint (periodic, or rank 0's on the way down).
-    assert 2 * steps <= failure["step"] <= kill_at
+    # The retry resumed from this run's newest checkpoint (periodic — written at least every `steps`
+    # steps, later under load — or rank 0's on the way down), not from scratch.
+    assert 0 < failure["step"] <= kill_at
     applied = {int(k): v for k, v in result.ps_stats["steps_applied_by_rank"].items()}
     assert applied == {0: planned, 1: planned}
     assert [row["epoch"] for row in result.history] == [0, 1, 2, 3]
@@ -106,3 +107,19 @@ def test_allreduce_backend_with_the_task_hosted_ps(spark, digits):
     assert [row["epoch"] for row in result.history] == [0, 1, 2]
     accuracy = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics["accuracy"]
     assert accuracy >= 0.85, accuracy
+
+
+def test_a_rank_stuck_past_the_deadline_is_torn_down_by_rank_0_and_the_retry_completes(spark, digits):
+    """Only rank 0's task can stop a task-hosted attempt: when a rank neither finishes nor fails within
+    ps.timeout_s, rank 0 fails its own task (Spark then kills the whole barrier stage) and sends the PS's
+    account of the failure in the error, which the driver decodes."""
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
+    stuck = _with(cfg, "task-ps-stuck", train={"epochs": 2}, ps={"timeout_s": 2.0},
+                  faults={"delay_rank": 1, "delay_step": steps + 3, "delay_ms": 8000})
+    result = train(spark, stuck, manifest)
+
+    assert result.steps == 2 * steps
+    [failure] = result.failed_attempts
+    assert "rank(s) 1 had not pushed step" in failure["error"]
+    assert "rank 0 (which hosts the PS) stopped the barrier stage" in failure["error"]
