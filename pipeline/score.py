@@ -31,6 +31,7 @@ import numpy as np
 
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DataError, ShardlineError
+from pipeline.models import model_from_flat
 from pipeline.shards import MANIFEST_NAME, Manifest, load_manifest
 
 log = logging.getLogger(__name__)
@@ -69,18 +70,6 @@ class ScoringModel:
         h = hashlib.sha256(json.dumps(self.spec, sort_keys=True, default=str).encode())
         h.update(self.parameters)
         return h.hexdigest()
-
-
-def build_torch_model(spec: dict, parameters: bytes):
-    """An eval-mode torch module from a spec dict and flat fp32 parameter bytes (runs on executors)."""
-    import torch
-
-    from pipeline.models import ModelSpec, build_model, load_flat_parameters
-
-    model = build_model(ModelSpec.from_dict(spec))
-    load_flat_parameters(model, torch.from_numpy(np.frombuffer(parameters, dtype=np.float32).copy()))
-    model.eval()
-    return model
 
 
 def _tracking_uri(cfg: PipelineConfig) -> str:
@@ -279,7 +268,7 @@ def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -
                     [f"prediction {label_ddl if classification else 'double'}"] +
                     (["probability array<float>"] if classification and sc.probabilities else []))
     counter = _vector_accumulator(spark, 3 + len(features))
-    fn = make_score_fn(features, build_torch_model, model.spec, model.parameters, model.digest,
+    fn = make_score_fn(features, model_from_flat, model.spec, model.parameters, model.digest,
                        manifest.means if manifest.standardized else None,
                        manifest.stds if manifest.standardized else None,
                        manifest.task, labels, label_arrow, keep, sc.invalid_rows, sc.batch_size,

@@ -41,6 +41,7 @@ from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, Default
 from pipeline.config.loader import build, deep_merge, parse_override, read_yaml
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError, DataError
+from pipeline.models import model_from_flat
 
 log = logging.getLogger(__name__)
 
@@ -221,19 +222,6 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
         return self._copyValues(model)
 
 
-def _build_torch_model(spec: dict, weights):
-    """Runs on executors (referenced by the UDF through functools.partial): the module, weights loaded."""
-    import torch
-
-    from pipeline.models import ModelSpec, build_model, load_flat_parameters
-
-    model = build_model(ModelSpec.from_dict(spec))
-    value = weights.value if hasattr(weights, "value") else weights
-    load_flat_parameters(model, torch.from_numpy(np.asarray(value, dtype=np.float32)))
-    model.eval()
-    return model
-
-
 def _label_values(labels: Optional[list[str]]) -> Optional[list[float]]:
     """Class index -> the original label value as a double (numeric labels); None for text labels."""
     if labels is None:
@@ -294,7 +282,7 @@ class ShardlineModel(Model, _ShardlineParams, MLReadable, MLWritable):
         return dict(self._require_state()["metrics"])
 
     def torch_model(self):
-        return _build_torch_model(self.spec, self.parameters)
+        return model_from_flat(self.spec, self.parameters)
 
     def copy(self, extra=None) -> "ShardlineModel":
         that = super().copy(extra)
@@ -321,7 +309,7 @@ class ShardlineModel(Model, _ShardlineParams, MLReadable, MLWritable):
         ftype = dataset.schema[features_col].dataType
         column = vector_to_array(F.col(features_col), "float32") if isinstance(ftype, VectorUDT) \
             else F.col(features_col).cast("array<float>")
-        build = functools.partial(_build_torch_model, state["spec"], state["parameters"])
+        build = functools.partial(model_from_flat, state["spec"], state["parameters"])
         classification = state["task"] == "classification"
         scorer = make_scorer(self._key(), build, state["means"], state["stds"], state["task"],
                              _label_values(state["labels"]) if classification else None)

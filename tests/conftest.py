@@ -35,9 +35,16 @@ def conf_dir():
     return os.path.join(REPO, "conf")
 
 
+class ServerURI(str):
+    """The server's URI (a str, usable as a tracking URI) that also knows where its artifacts land."""
+
+    artifacts: "os.PathLike"
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on 127.0.0.1 (SQLite backend, artifacts proxied to a temp dir); yields its URI."""
+    """A real `mlflow server` on 127.0.0.1 (SQLite backend, artifacts proxied to a temp dir); yields its
+    URI (with `.artifacts`: the directory the server stores artifacts in)."""
     import socket
     import subprocess
     import time
@@ -48,7 +55,8 @@ def mlflow_server(tmp_path_factory):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    uri = f"http://127.0.0.1:{port}"
+    uri = ServerURI(f"http://127.0.0.1:{port}")
+    uri.artifacts = root / "artifacts"
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no huey consumer: fast shutdown
     log = open(root / "server.log", "wb")
     server = subprocess.Popen(

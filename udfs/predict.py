@@ -10,21 +10,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# key -> torch module: one build per Python worker process (Spark reuses workers between tasks).
-_MODELS: dict = {}
-_MAX_CACHED = 4
+# One model per Python worker, shared with batch scoring's cache (Spark reuses workers between tasks).
+from udfs.score import cached_model
 
 RESULT_DDL = "struct<prediction:double,probability:array<double>>"
 RESULT_TYPE = pa.struct([("prediction", pa.float64()), ("probability", pa.list_(pa.float64()))])
-
-
-def cached_model(key: str, build: Callable[[], object]):
-    model = _MODELS.get(key)
-    if model is None:
-        if len(_MODELS) >= _MAX_CACHED:
-            _MODELS.pop(next(iter(_MODELS)))
-        model = _MODELS[key] = build()
-    return model
 
 
 def make_scorer(key: str, build: Callable[[], object], means: Sequence[float], stds: Sequence[float],

@@ -1,5 +1,5 @@
 """Typed, validated configuration: `load(path, overrides)` -> frozen `PipelineConfig`."""
-from pipeline.config.loader import build, deep_merge, load, parse_override
+from pipeline.config.loader import build, deep_merge, load, parse_override, with_changes
 from pipeline.config.schema import (
     DataConfig,
     ModelConfig,
@@ -13,7 +13,7 @@ from pipeline.config.schema import (
 )
 
 __all__ = [
-    "build", "deep_merge", "load", "parse_override",
+    "build", "deep_merge", "load", "parse_override", "with_changes",
     "DataConfig", "ModelConfig", "ParallelismConfig", "PipelineConfig", "PSConfig", "SparkConfig",
     "SplitConfig", "TrackingConfig", "TrainConfig",
 ]

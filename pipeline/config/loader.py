@@ -86,6 +86,13 @@ def build(raw: Mapping[str, Any], source: str = "<dict>") -> PipelineConfig:
         raise ConfigError(_format_validation_error(exc, source)) from None
 
 
+def with_changes(cfg: PipelineConfig, **changes: Any) -> PipelineConfig:
+    """A validated copy of `cfg` with `changes` deep-merged in, e.g.
+    ``with_changes(cfg, name="small", train={"epochs": 2})`` (every validator runs again, unlike
+    pydantic's model_copy)."""
+    return build(deep_merge(cfg.model_dump(), changes), f"{cfg.name} with changes {sorted(changes)}")
+
+
 def load(config: str | os.PathLike | None = None, overrides: Iterable[str] = (),
          base: str | os.PathLike | None = None) -> PipelineConfig:
     """Resolve base + named config + overrides into a validated, frozen PipelineConfig.

@@ -285,11 +285,7 @@ def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manif
         try:
             return _run_attempt(spark, cfg, server, secret, plans, bar, attempt)
         except WorkerTrainingFailedError as failure:
-            failure.attempt = attempt
-            if attempt >= cfg.train.max_attempts:
-                failure.cause = (f"{failure.cause + '; ' if failure.cause else ''}gave up after {attempt} "
-                                 f"attempt(s) (train.max_attempts={cfg.train.max_attempts})")
-                raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped) from failure
+            _give_up_after_last_attempt(failure, attempt, cfg.train.max_attempts)
             failed_attempts.append({"attempt": attempt, "ranks": sorted(failure.failures), "step": server.version,
                                     "error": str(failure)[:4000]})
             log.warning("attempt %d of %d failed; retrying from step %d with the PS state kept\n%s", attempt,
@@ -301,6 +297,15 @@ def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manif
                 failure.cause = f"{failure.cause + '; ' if failure.cause else ''}cannot retry: {exc}"
                 raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped) from failure
             attempt += 1
+
+
+def _give_up_after_last_attempt(failure: WorkerTrainingFailedError, attempt: int, max_attempts: int) -> None:
+    """Stamp the attempt on the failure; after the last allowed one, raise it saying so."""
+    failure.attempt = attempt
+    if attempt >= max_attempts:
+        failure.cause = (f"{failure.cause + '; ' if failure.cause else ''}gave up after {attempt} "
+                         f"attempt(s) (train.max_attempts={max_attempts})")
+        raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped) from failure
 
 
 def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[dict], bar, attempt: int) -> list[dict]:
@@ -385,11 +390,7 @@ def _train_with_task_ps(spark, cfg: PipelineConfig, manifest: Manifest, spec: Mo
         try:
             rows, report = _run_task_attempt(spark, cfg, plans, secret, hosted, attempt)
         except WorkerTrainingFailedError as failure:
-            failure.attempt = attempt
-            if attempt >= cfg.train.max_attempts:
-                failure.cause = (f"{failure.cause + '; ' if failure.cause else ''}gave up after {attempt} "
-                                 f"attempt(s) (train.max_attempts={cfg.train.max_attempts})")
-                raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped) from failure
+            _give_up_after_last_attempt(failure, attempt, cfg.train.max_attempts)
             resume_from = None if allreduce else _own_latest(store, launch_id, resume_from)
             failed_attempts.append({"attempt": attempt, "ranks": sorted(failure.failures),
                                     "step": resume_from.step if resume_from else 0, "error": str(failure)[:4000]})

@@ -98,6 +98,23 @@ def build_model(spec: ModelSpec):
     return nn.Sequential(*layers)
 
 
+def model_from_flat(spec: dict, parameters):
+    """An eval-mode module for a spec dict holding flat fp32 `parameters` (bytes, an array, or a Spark
+    broadcast of either): how scoring UDFs rebuild the trained model on executors."""
+    import numpy as np
+    import torch
+
+    from pipeline.models.flat import load_flat_parameters
+
+    value = parameters.value if hasattr(parameters, "value") else parameters
+    flat = (np.frombuffer(value, dtype=np.float32) if isinstance(value, (bytes, bytearray, memoryview))
+            else np.asarray(value, dtype=np.float32))
+    model = build_model(ModelSpec.from_dict(spec))
+    load_flat_parameters(model, torch.from_numpy(flat.copy()))
+    model.eval()
+    return model
+
+
 def loss_fn(task: str):
     """Mean loss over a batch; classification takes int64 class indices, regression float targets."""
     import torch.nn.functional as F

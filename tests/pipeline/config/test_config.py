@@ -75,3 +75,18 @@ def test_named_config_outside_conf_uses_explicit_base(conf_dir, tmp_path):
 def test_parse_override_nests_keys():
     assert parse_override("a.b.c=1") == {"a": {"b": {"c": 1}}}
     assert parse_override("a=hello") == {"a": "hello"}
+
+
+def test_with_changes_deep_merges_and_validates_again():
+    from pipeline.config import build, with_changes
+    from pipeline.errors import ConfigError
+
+    cfg = build({"name": "base", "train": {"epochs": 3, "lr": 0.1}})
+    changed = with_changes(cfg, name="small", train={"epochs": 1})
+    assert (changed.name, changed.train.epochs, changed.train.lr) == ("small", 1, 0.1)
+    assert cfg.train.epochs == 3  # the original is untouched (frozen)
+    with pytest.raises(ConfigError, match="train.epochs"):
+        with_changes(cfg, train={"epochs": 0})
+    # Cross-section rules run too (model_copy would skip them).
+    with pytest.raises(ConfigError, match="ps.mode=sync"):
+        with_changes(cfg, parallelism={"pipeline": 2}, ps={"mode": "async"})

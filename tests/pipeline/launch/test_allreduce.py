@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pipeline.config import build
+from pipeline.config import build, with_changes
 from pipeline.errors import WorkerTrainingFailedError
 from pipeline.etl import run_etl
 from pipeline.evaluate import evaluate
@@ -22,10 +22,6 @@ def digits(spark, tmp_path_factory):
     return cfg, run_etl(spark, cfg)
 
 
-def _with(cfg, **sections):
-    return cfg.model_copy(update={name: getattr(cfg, name).model_copy(update=values)
-                                  for name, values in sections.items()})
-
 
 def test_allreduce_reaches_the_accuracy_bar_with_identical_replicas(spark, digits):
     cfg, manifest = digits
@@ -43,7 +39,7 @@ def test_allreduce_reaches_the_accuracy_bar_with_identical_replicas(spark, digit
 @pytest.mark.parametrize("where", ["training", "rendezvous"])
 def test_a_failing_rank_gives_one_exception_and_leaves_no_process_group(spark, digits, where):
     cfg, manifest = digits
-    failing = _with(cfg, train={"epochs": 1, "max_attempts": 1}, ps={"timeout_s": 15},
+    failing = with_changes(cfg, train={"epochs": 1, "max_attempts": 1}, ps={"timeout_s": 15},
                     faults={"fail_rank": 1, "fail_step": 3, "fail_in_rendezvous": where == "rendezvous"})
     with pytest.raises(WorkerTrainingFailedError) as info:
         train(spark, failing, manifest)
@@ -54,5 +50,5 @@ def test_a_failing_rank_gives_one_exception_and_leaves_no_process_group(spark, d
     assert "rank 1" in failure.log_tail
     assert not torch.distributed.is_initialized()
     # Spark reuses its Python workers: a process group or port left behind would break the next run.
-    again = train(spark, _with(cfg, train={"epochs": 1}), manifest)
+    again = train(spark, with_changes(cfg, train={"epochs": 1}), manifest)
     assert again.steps == steps_per_epoch(manifest, 2, cfg.train.batch_size)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from pipeline.config import build
+from pipeline.config import build, with_changes
 from pipeline.errors import WorkerTrainingFailedError
 from pipeline.etl import run_etl
 from pipeline.evaluate import evaluate
@@ -27,17 +27,13 @@ def digits(spark, tmp_path_factory):
     return cfg, run_etl(spark, cfg)
 
 
-def _with(cfg, **sections):
-    return cfg.model_copy(update={name: getattr(cfg, name).model_copy(update=values)
-                                  for name, values in sections.items()})
-
 
 def test_sigkilled_worker_mid_epoch_is_retried_without_losing_or_repeating_a_step(spark, digits):
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
     planned = steps * cfg.train.epochs
     kill_at = 5 * steps + steps // 2  # the middle of epoch 6
-    result = train(spark, _with(cfg, faults={"kill_rank": 1, "kill_step": kill_at}), manifest)
+    result = train(spark, with_changes(cfg, faults={"kill_rank": 1, "kill_step": kill_at}), manifest)
 
     assert result.steps == planned
     assert len(result.failed_attempts) == 1 and result.failed_attempts[0]["ranks"] == [1]
@@ -54,7 +50,7 @@ def test_sigkilled_worker_mid_epoch_is_retried_without_losing_or_repeating_a_ste
 def test_hung_worker_fails_the_step_naming_its_rank_then_the_retry_succeeds(spark, digits):
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
-    hung = _with(cfg, train={"epochs": 2}, ps={"timeout_s": 2.0},
+    hung = with_changes(cfg, train={"epochs": 2}, ps={"timeout_s": 2.0},
                  faults={"delay_rank": 0, "delay_step": steps + 3, "delay_ms": 6000})
     result = train(spark, hung, manifest)
 
@@ -67,7 +63,7 @@ def test_hung_worker_fails_the_step_naming_its_rank_then_the_retry_succeeds(spar
 
 def test_a_worker_failing_in_every_attempt_exhausts_max_attempts(spark, digits, caplog):
     cfg, manifest = digits
-    failing = _with(cfg, train={"epochs": 1, "max_attempts": 2}, faults={"fail_rank": 0, "fail_step": 2, "attempts": 5})
+    failing = with_changes(cfg, train={"epochs": 1, "max_attempts": 2}, faults={"fail_rank": 0, "fail_step": 2, "attempts": 5})
     with caplog.at_level(logging.WARNING, logger="pipeline.launch.train"):
         with pytest.raises(WorkerTrainingFailedError, match=r"gave up after 2 attempt\(s\) \(train.max_attempts=2\)") as info:
             train(spark, failing, manifest)
@@ -109,7 +105,7 @@ def test_very_uneven_shards_train_to_the_end_without_hanging(spark, digits):
 
     cfg, manifest = digits
     uneven = _uneven_manifest(manifest, [40, 900])  # one rank holds 22x the rows of the other
-    quick = _with(cfg, train={"epochs": 2, "batch_size": 16}, ps={"timeout_s": 10})
+    quick = with_changes(cfg, train={"epochs": 2, "batch_size": 16}, ps={"timeout_s": 10})
     outcome = {}
     worker = threading.Thread(target=lambda: outcome.update(result=train(spark, quick, uneven)), daemon=True)
     worker.start()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import build
+from pipeline.config import build, with_changes
 from pipeline.errors import ConfigError, WorkerTrainingFailedError
 from pipeline.etl import run_etl
 from pipeline.evaluate import evaluate
@@ -27,10 +27,6 @@ def digits(spark, tmp_path_factory):
                  "ps": {"timeout_s": 20}})
     return cfg, run_etl(spark, cfg)
 
-
-def _with(cfg, name, **sections):
-    return cfg.model_copy(update={"name": name, **{section: getattr(cfg, section).model_copy(update=values)
-                                                   for section, values in sections.items()}})
 
 
 def test_two_stage_pipeline_trains_digits_and_reports_per_stage_metrics(spark, digits):
@@ -53,14 +49,14 @@ def test_two_stage_pipeline_trains_digits_and_reports_per_stage_metrics(spark, d
 def test_a_failing_stage_names_rank_and_stage_and_the_retry_completes(spark, digits):
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 1, cfg.train.batch_size)
-    failing = _with(cfg, "pp-fail", train={"epochs": 2}, faults={"fail_rank": 1, "fail_step": steps + 2})
+    failing = with_changes(cfg, name="pp-fail", train={"epochs": 2}, faults={"fail_rank": 1, "fail_step": steps + 2})
     result = train(spark, failing, manifest)
     assert result.steps == 2 * steps
     [failure] = result.failed_attempts
     assert failure["ranks"] == [1]
     assert "stage 1 of 2 (replica 0): InjectedFault" in failure["error"]
 
-    always = _with(cfg, "pp-fail-always", train={"epochs": 1, "max_attempts": 1},
+    always = with_changes(cfg, name="pp-fail-always", train={"epochs": 1, "max_attempts": 1},
                    faults={"fail_rank": 1, "fail_step": 1, "attempts": 5})
     with pytest.raises(WorkerTrainingFailedError) as info:
         train(spark, always, manifest)
@@ -71,13 +67,13 @@ def test_a_failing_stage_names_rank_and_stage_and_the_retry_completes(spark, dig
 def test_preflight_counts_data_times_pipeline_tasks(spark, digits):
     cfg, manifest = digits
     with pytest.raises(ConfigError, match=r"parallelism.data x pipeline = 2 x 2 barrier tasks need 4 concurrent"):
-        train(spark, _with(cfg, "pp-too-many", parallelism={"data": 2, "pipeline": 2}), manifest)
+        train(spark, with_changes(cfg, name="pp-too-many", parallelism={"data": 2, "pipeline": 2}), manifest)
 
 
 HYBRID = """
 import json, sys
 sys.path.insert(0, {repo!r})
-from pipeline.config import build
+from pipeline.config import build, with_changes
 from pipeline.session import get_or_create_spark
 from pipeline import steps
 cfg = build({{"name": "hybrid", "workdir": {work!r}, "spark": {{"master": "local[4]"}},
@@ -92,7 +88,7 @@ run = mlflow.get_run(outcome.run_id)
 # process group instead of through the stage's PS.
 from pipeline.evaluate import evaluate
 from pipeline.launch import train
-allreduce = cfg.model_copy(update={{"name": "hybrid-ar", "train": cfg.train.model_copy(update={{"backend": "allreduce"}})}})
+allreduce = with_changes(cfg, name="hybrid-ar", train={{"backend": "allreduce"}})
 manifest = steps.etl(spark, cfg)
 trained = train(spark, allreduce, manifest)
 ar_accuracy = evaluate(spark, manifest, trained.spec, trained.parameters, "test").metrics["accuracy"]
@@ -121,9 +117,9 @@ def test_hybrid_data_2_pipeline_2_on_four_barrier_tasks(tmp_path):
 def test_pipeline_checkpoints_resume_with_the_per_stage_servers(spark, digits):
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 1, cfg.train.batch_size)
-    first = train(spark, _with(cfg, "pp-resume", train={"epochs": 2, "checkpoint_every": steps}), manifest)
+    first = train(spark, with_changes(cfg, name="pp-resume", train={"epochs": 2, "checkpoint_every": steps}), manifest)
     assert first.steps == 2 * steps
-    resumed = train(spark, _with(cfg, "pp-resume", train={"epochs": 3, "checkpoint_every": steps}), manifest,
+    resumed = train(spark, with_changes(cfg, name="pp-resume", train={"epochs": 3, "checkpoint_every": steps}), manifest,
                     resume=True)
     assert resumed.resumed_from_step == 2 * steps and resumed.steps == 3 * steps
     assert [row["epoch"] for row in resumed.history] == [0, 1, 2]

@@ -2,7 +2,7 @@
 is shared with allGather, and the final parameters and history come back as result rows."""
 import pytest
 
-from pipeline.config import build
+from pipeline.config import build, with_changes
 from pipeline.errors import WorkerTrainingFailedError
 from pipeline.etl import run_etl
 from pipeline.evaluate import evaluate
@@ -22,10 +22,6 @@ def digits(spark, tmp_path_factory):
                  "ps": {"placement": "task", "timeout_s": 20}})
     return cfg, run_etl(spark, cfg)
 
-
-def _with(cfg, name, **sections):
-    return cfg.model_copy(update={"name": name, **{section: getattr(cfg, section).model_copy(update=values)
-                                                   for section, values in sections.items()}})
 
 
 def test_task_hosted_ps_trains_digits_and_returns_parameters_as_rows(spark, digits):
@@ -56,7 +52,7 @@ def test_a_killed_rank_is_retried_from_the_task_ps_checkpoint(spark, digits):
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
     planned = steps * 4
     kill_at = 2 * steps + 3
-    killed = _with(cfg, "task-ps-kill", train={"epochs": 4, "checkpoint_every": steps},
+    killed = with_changes(cfg, name="task-ps-kill", train={"epochs": 4, "checkpoint_every": steps},
                    faults={"kill_rank": 1, "kill_step": kill_at})
     result = train(spark, killed, manifest)
 
@@ -74,7 +70,7 @@ def test_a_killed_rank_is_retried_from_the_task_ps_checkpoint(spark, digits):
 
 def test_failure_in_every_attempt_names_the_rank(spark, digits):
     cfg, manifest = digits
-    failing = _with(cfg, "task-ps-fail", train={"epochs": 1, "max_attempts": 2},
+    failing = with_changes(cfg, name="task-ps-fail", train={"epochs": 1, "max_attempts": 2},
                     faults={"fail_rank": 1, "fail_step": 2, "attempts": 5})
     with pytest.raises(WorkerTrainingFailedError, match=r"gave up after 2 attempt\(s\)") as info:
         train(spark, failing, manifest)
@@ -100,7 +96,7 @@ def test_parameters_are_split_into_chunks_and_reassembled(monkeypatch):
 def test_allreduce_backend_with_the_task_hosted_ps(spark, digits):
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
-    result = train(spark, _with(cfg, "task-ps-allreduce", train={"backend": "allreduce", "epochs": 3}), manifest)
+    result = train(spark, with_changes(cfg, name="task-ps-allreduce", train={"backend": "allreduce", "epochs": 3}), manifest)
 
     assert result.steps == 3 * steps
     assert len({r["parameters_digest"] for r in result.ranks}) == 1  # replicas agree
@@ -115,7 +111,7 @@ def test_a_rank_stuck_past_the_deadline_is_torn_down_by_rank_0_and_the_retry_com
     account of the failure in the error, which the driver decodes."""
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
-    stuck = _with(cfg, "task-ps-stuck", train={"epochs": 2}, ps={"timeout_s": 2.0},
+    stuck = with_changes(cfg, name="task-ps-stuck", train={"epochs": 2}, ps={"timeout_s": 2.0},
                   faults={"delay_rank": 1, "delay_step": steps + 3, "delay_ms": 8000})
     result = train(spark, stuck, manifest)
 

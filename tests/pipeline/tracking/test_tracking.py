@@ -1,10 +1,7 @@
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -209,14 +206,8 @@ class _Custom(nn.Module):
         return torch.softmax(self.body(x), dim=-1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Runs in a fresh, isolated interpreter (no test or pipeline code importable). It imports while the
-# server boots, then reads the model URI and the batch path from stdin.
+# model is logged, then reads the model URI and the batch path from stdin.
 _LOAD_IN_FRESH_PROCESS = """
 import json, sys
 sys.modules["pipeline"] = None  # loading must not need the project package either
@@ -228,38 +219,16 @@ print(json.dumps(model(torch.from_numpy(np.load(batch_path))).detach().numpy().t
 
 
 @pytest.mark.slow
-def test_http_tracking_server_round_trip(tmp_path):
+def test_http_tracking_server_round_trip(mlflow_server, tmp_path):
     from mlflow import MlflowClient
 
-    port = _free_port()
-    uri = f"http://127.0.0.1:{port}"
-    mlflow_cli = Path(sys.executable).with_name("mlflow")
-    # Job execution spawns a huey consumer that slows shutdown by seconds; this test needs none of it.
-    server_env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    uri = str(mlflow_server)
     loader_env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true"}
     loader_env.pop("PYTHONPATH", None)
     loader = subprocess.Popen([sys.executable, "-I", "-c", _LOAD_IN_FRESH_PROCESS], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=loader_env,
                               cwd=tmp_path)
-    server_log = open(tmp_path / "server.log", "wb")
-    server = subprocess.Popen(
-        [str(mlflow_cli), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-         "--artifacts-destination", str(tmp_path / "artifacts")],
-        stdout=subprocess.DEVNULL, stderr=server_log, cwd=tmp_path, env=server_env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"mlflow server did not come up:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.2)
-
         model = _Custom()
         batch = _batch(8)
         with start_run(uri, "over-http", run_name="remote") as run:
@@ -272,7 +241,7 @@ def test_http_tracking_server_round_trip(tmp_path):
         got = client.get_run(run.run_id)
         assert got.info.status == "FINISHED" and got.data.params["train.lr"] == "0.1"
         assert [m.step for m in client.get_metric_history(run.run_id, "train_loss")] == [0, 1]
-        assert list((tmp_path / "artifacts").rglob("model.pt2")), "artifacts should go through the server"
+        assert list(mlflow_server.artifacts.rglob("model.pt2")), "artifacts should go through the server"
 
         np.save(tmp_path / "batch.npy", batch)
         stdout, stderr = loader.communicate(f"{model_uri}\n{tmp_path / 'batch.npy'}\n", timeout=120)
@@ -285,10 +254,3 @@ def test_http_tracking_server_round_trip(tmp_path):
         if loader.poll() is None:
             loader.kill()
             loader.communicate()
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        server_log.close()
