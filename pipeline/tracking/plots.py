@@ -1,4 +1,5 @@
-"""Matplotlib figures for a run: confusion matrix and training curves (Agg canvas, no pyplot)."""
+"""Matplotlib figures for a run: confusion matrix, training curves and pipeline-stage time (Agg canvas,
+no pyplot)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -60,5 +61,35 @@ def history_figure(history: Sequence[Mapping[str, float]]):
         ax.set(xlabel="epoch", ylabel=title, title=title)
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def stage_figure(history: Sequence[Mapping[str, float]]):
+    """Pipeline parallelism: per stage, compute vs idle (bubble) seconds summed over epochs, and the
+    bubble fraction per epoch. Returns None without ``stage<p>/...`` keys (no pipeline stages)."""
+    stages = sorted({int(k[5:].split("/", 1)[0]) for row in history for k in row
+                     if k.startswith("stage") and k.endswith("/compute_s")})
+    if not stages:
+        return None
+    compute = [sum(row.get(f"stage{s}/compute_s", 0.0) for row in history) for s in stages]
+    idle = [sum(row.get(f"stage{s}/idle_s", 0.0) for row in history) for s in stages]
+    fig = _new_figure(11.0, 4.0)
+    ax = fig.add_subplot(1, 2, 1)
+    labels = [f"stage {s}" for s in stages]
+    ax.bar(labels, compute, label="compute")
+    ax.bar(labels, idle, bottom=compute, label="idle (bubble + transfer)")
+    ax.set(ylabel="seconds (all epochs, mean over replicas)", title="Where each stage's time went")
+    ax.legend()
+    ax = fig.add_subplot(1, 2, 2)
+    for s in stages:
+        points = [(row.get("epoch", i), row[f"stage{s}/bubble_fraction"]) for i, row in enumerate(history)
+                  if row.get(f"stage{s}/bubble_fraction") is not None]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", markersize=3, label=f"stage {s}")
+    ax.set(xlabel="epoch", ylabel="idle / (idle + compute)", title="Bubble fraction", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     return fig

@@ -14,7 +14,7 @@ import numpy as np
 
 from pipeline.errors import ShardlineError
 from pipeline.tracking.params import flatten_params
-from pipeline.tracking.plots import confusion_figure, history_figure
+from pipeline.tracking.plots import confusion_figure, history_figure, stage_figure
 from pipeline.tracking.uri import sqlite_artifact_location
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -164,7 +164,11 @@ class TrackedRun:
             DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
 
     def log_history(self, history: Sequence[Mapping[str, float]]) -> None:
-        """Plot loss/accuracy curves from per-epoch dicts to ``plots/training_curves.png``."""
+        """Plot loss/accuracy curves from per-epoch dicts to ``plots/training_curves.png`` (and, with
+        pipeline stages, their compute/idle time to ``plots/pipeline_stages.png``)."""
+        stages = stage_figure(history)
+        if stages is not None:
+            self._client.log_figure(self.run_id, stages, "plots/pipeline_stages.png")
         figure = history_figure(history)
         if figure is None:
             logger.warning("history has no loss or accuracy keys; no curves logged for run %s", self.run_id)

@@ -92,7 +92,8 @@ allreduce = with_changes(cfg, name="hybrid-ar", train={{"backend": "allreduce"}}
 manifest = steps.etl(spark, cfg)
 trained = train(spark, allreduce, manifest)
 ar_accuracy = evaluate(spark, manifest, trained.spec, trained.parameters, "test").metrics["accuracy"]
-print("RESULT " + json.dumps({{"metrics": outcome.test_metrics, "allreduce_accuracy": ar_accuracy,
+plots = [a.path for a in mlflow.MlflowClient().list_artifacts(outcome.run_id, "plots")]
+print("RESULT " + json.dumps({{"metrics": outcome.test_metrics, "allreduce_accuracy": ar_accuracy, "plots": plots,
                               "allreduce_digests": len({{r["parameters_digest"] for r in trained.ranks}}),
                               "logged": sorted(k for k in run.data.metrics if k.startswith("stage"))}}))
 """
@@ -112,6 +113,7 @@ def test_hybrid_data_2_pipeline_2_on_four_barrier_tasks(tmp_path):
     assert result["allreduce_digests"] == 2  # one per stage: the replicas of each stage agree bit for bit
     for stage in (0, 1):
         assert f"stage{stage}/bubble_fraction" in result["logged"], result["logged"]
+    assert "plots/pipeline_stages.png" in result["plots"], result["plots"]
 
 
 def test_pipeline_checkpoints_resume_with_the_per_stage_servers(spark, digits):
