@@ -17,7 +17,8 @@ EXPECTED = {
     "02_custom_model": ["ResidualBlock", "model: models:/", "test metrics:"],
     "03_evaluate_and_promote": ["test metrics:", "-> champion", "reason: no champion yet"],
     "04_parallelism_modes": ["samples_per_s", "val_accuracy", *(f"\n{mode} " for mode in
-                                                               ("sync", "async", "ssp", "average", "allreduce"))],
+                                                               ("sync", "async", "ssp", "average", "allreduce",
+                                                                "pipeline"))],
 }
 
 
