@@ -49,7 +49,7 @@ def _plans(tmp_path, replicas, stages, micro_batches, epochs=2, steps=8, faults=
     return plans
 
 
-def _train(plans, stages, replicas, on_metrics=None):
+def _train(plans, stages, replicas, on_metrics=None, shards=1):
     torch.manual_seed(0)
     initial = flat_parameters(build_model(SPEC))
     ranges = stage_slices(split_stages(build_model(SPEC), stages))
@@ -59,7 +59,7 @@ def _train(plans, stages, replicas, on_metrics=None):
                                        expect_rank=p.rank - 1, timeout_s=10)
                  for p in plans if p.rank % stages > 0}
     with StagedParameterServer(initial, ranges, replicas=replicas, secret=secret, optimizer=OPTIMIZER,
-                               host="127.0.0.1", timeout_s=10, on_metrics=on_metrics) as server:
+                               host="127.0.0.1", timeout_s=10, on_metrics=on_metrics, shards=shards) as server:
         def target(plan):
             stage = plan.rank % stages
             wiring = StageWiring(listeners.get(plan.rank),
@@ -115,6 +115,14 @@ def test_pipeline_stages_match_single_process_training(tmp_path, replicas, stage
             assert m["stage"] == rank % stages and 0 <= m["bubble_fraction"] <= 1 and m["compute_s"] > 0
             assert ("train_loss" in m) == (rank % stages == stages - 1)
             assert m["bytes_sent"] > 0
+
+
+def test_each_stage_server_can_itself_be_sharded(tmp_path):
+    """ps.shards applies inside every stage's server: same parameters as unsharded training."""
+    plans = _plans(tmp_path, 2, 2, 2)
+    initial, params, version, _, _, errors = _train(plans, 2, 2, shards=3)
+    assert errors == {} and version == 16
+    assert torch.allclose(params, _single_process(initial, plans, 2, 2), atol=1e-5)
 
 
 def test_a_failing_stage_is_the_root_cause_and_its_neighbours_stop(tmp_path):
