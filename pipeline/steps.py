@@ -184,7 +184,8 @@ def train(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome:
 
     manifest = load_shards(cfg)
     run_id = _resume_run_id(cfg, resume)
-    with start_run(tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
+    with start_run(tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id,
+                   system_metrics_interval_s=cfg.tracking.system_metrics_interval_s) as run:
         result = _train_into(run, spark, cfg, manifest, resume)
         model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
         _record_model_uri(cfg, run.run_id, model_uri)
@@ -213,7 +214,8 @@ def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest, resume: b
     from pipeline.tracking import start_run
 
     run_id = _resume_run_id(cfg, resume)
-    with start_run(tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id) as run:
+    with start_run(tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id,
+                   system_metrics_interval_s=cfg.tracking.system_metrics_interval_s) as run:
         if tags:
             run.set_tags(tags)
         result = _train_into(run, spark, cfg, manifest, resume, initial_parameters)

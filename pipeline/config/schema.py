@@ -285,6 +285,9 @@ class TrackingConfig(_Section):
     log_model: bool = True
     # If set, the logged model is also registered under this name.
     registered_model: Optional[str] = Field(None, min_length=1)
+    # Sample this process's machine (CPU, memory, disk, network; GPUs when present) into the training run
+    # as system/* metrics every this many seconds; null turns it off.
+    system_metrics_interval_s: Optional[float] = Field(10.0, gt=0)
 
 
 class FaultsConfig(_Section):

@@ -253,13 +253,15 @@ def _experiment_id(client, tracking_uri: str, experiment: str) -> str:
 
 
 def start_run(tracking_uri: str, experiment: str, run_name: str | None = None,
-              tags: Mapping[str, str] | None = None, run_id: str | None = None) -> TrackedRun:
+              tags: Mapping[str, str] | None = None, run_id: str | None = None,
+              system_metrics_interval_s: float | None = None) -> TrackedRun:
     """Start a run in ``experiment`` (created if missing) at ``tracking_uri``, or reopen ``run_id``.
 
     Reopening lets a later step (evaluate after train) log into the run of the step before it.
 
     Also makes ``tracking_uri`` MLflow's process-wide tracking URI, which ``mlflow.pytorch.log_model``
-    and ``models:/`` URIs rely on.
+    and ``models:/`` URIs rely on. ``system_metrics_interval_s`` samples this machine into the run as
+    ``system/*`` metrics from a background thread while it is open.
     """
     import mlflow
     from mlflow import MlflowClient
@@ -268,17 +270,22 @@ def start_run(tracking_uri: str, experiment: str, run_name: str | None = None,
     client = MlflowClient(tracking_uri)
     # Started inside another run (the workflow's): a nested run, shown under it.
     nested = mlflow.active_run() is not None
+    system = system_metrics_interval_s is not None
+    if system:
+        mlflow.set_system_metrics_sampling_interval(system_metrics_interval_s)
     if run_id is not None:
         try:
             experiment_id = client.get_run(run_id).info.experiment_id
         except Exception as exc:
             raise TrackingError(f"cannot reopen MLflow run {run_id} at {tracking_uri} ({exc}); "
                                 "run the train step again or point tracking.uri at its store") from None
-        run = mlflow.start_run(run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()}, nested=nested)
+        run = mlflow.start_run(run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()}, nested=nested,
+                               log_system_metrics=system)
     else:
         experiment_id = _experiment_id(client, tracking_uri, experiment)
         run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name,
-                               tags={k: str(v) for k, v in (tags or {}).items()}, nested=nested)
+                               tags={k: str(v) for k, v in (tags or {}).items()}, nested=nested,
+                               log_system_metrics=system)
     logger.info("started run %s (%s) in experiment %s at %s", run.info.run_id, run.info.run_name,
                 experiment, tracking_uri)
     return TrackedRun(client, run.info.run_id, experiment_id, tracking_uri)

@@ -13,7 +13,8 @@ from pipeline.config import load
 def outcome(spark, tmp_path_factory, conf_dir):
     work = tmp_path_factory.mktemp("e2e")
     cfg = load(f"{conf_dir}/digits.yaml", [f"workdir={work}", f"tracking.uri=sqlite:///{work}/mlflow.db",
-                                           "tracking.registered_model=digits-e2e"])
+                                           "tracking.registered_model=digits-e2e",
+                                           "tracking.system_metrics_interval_s=1"])
     return cfg, steps.run_all(spark, cfg)
 
 
@@ -43,6 +44,8 @@ def test_mlflow_run_holds_everything(outcome, spark):
         history = client.get_metric_history(result.run_id, key)
         assert sorted(m.step for m in history) == list(range(cfg.train.epochs)), key
     assert run.data.metrics["test_accuracy"] == pytest.approx(result.test_metrics["accuracy"])
+    # The driver machine, sampled while the run was open (tracking.system_metrics_interval_s).
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
     assert "test_macro_f1" in run.data.metrics
     artifacts = {a.path for folder in ("data", "plots", "evaluation")
                  for a in client.list_artifacts(result.run_id, folder)}
