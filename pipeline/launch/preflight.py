@@ -47,3 +47,24 @@ def check_barrier_slots(spark, workers: int, asked: str | None = None) -> None:
                           f"Spark session has {slots} (master {_conf(spark, 'spark.master')}, spark.task.cpus "
                           f"{_conf(spark, 'spark.task.cpus') or 1}); lower parallelism.data"
                           f"{'/pipeline' if 'pipeline' in asked else ''} or add executors/cores")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30,
+               "t": 1 << 40, "tb": 1 << 40}
+
+
+def _bytes(text: str) -> Optional[int]:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text or "")
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        return None
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def check_result_size(spark, parameter_bytes: int, why: str) -> None:
+    """The final parameters come back through collect() (allreduce, ps.placement=task): refuse up front
+    when they cannot fit spark.driver.maxResultSize, instead of failing after all the training."""
+    limit = _bytes(_conf(spark, "spark.driver.maxResultSize") or "1g")
+    if limit and parameter_bytes > 0.9 * limit:  # 0 means unlimited; keep room for the other result rows
+        raise ConfigError(f"{why}, the final parameters ({parameter_bytes / 2**20:.0f} MiB) come back as result rows, "
+                          f"but spark.driver.maxResultSize is {_conf(spark, 'spark.driver.maxResultSize') or '1g'}; "
+                          "raise spark.driver.maxResultSize (or 0 for no limit)")

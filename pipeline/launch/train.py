@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError, PSError, WorkerFailure, WorkerTrainingFailedError
-from pipeline.launch.preflight import check_barrier_slots
+from pipeline.launch.preflight import check_barrier_slots, check_result_size
 from pipeline.launch.progress import EpochProgress, StepProgress
 from pipeline.launch.task import RESULT_SCHEMA, make_task_fn, merge_chunks
 from pipeline.launch.task_ps import decode_failure_report
@@ -185,6 +185,9 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                               "parallelism.pipeline and cuts, or start fresh)")
     torch.manual_seed(cfg.train.seed)  # every worker starts from the server's copy of this initialization
     initial = flat_parameters(build_model(spec))
+    if allreduce or cfg.ps.placement == "task":
+        check_result_size(spark, initial.numel() * 4, "with train.backend=allreduce" if allreduce
+                          else "with ps.placement=task")
     if initial_parameters is not None:  # a warm start (e.g. from the champion)
         if initial_parameters.numel() != initial.numel():
             raise ConfigError(f"warm-start parameters have {initial_parameters.numel()} values, the model "

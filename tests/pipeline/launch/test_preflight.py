@@ -37,3 +37,15 @@ def test_executor_settings_and_dynamic_allocation():
     dynamic = FakeSession(spark_master="yarn", spark_dynamicAllocation_enabled="true")
     with pytest.raises(ConfigError, match="spark.dynamicAllocation.enabled=false"):
         check_barrier_slots(dynamic, 1)
+
+
+def test_final_parameters_must_fit_max_result_size():
+    from pipeline.launch.preflight import check_result_size
+
+    check_result_size(FakeSession(), 500 << 20, "with ps.placement=task")  # default 1g
+    with pytest.raises(ConfigError, match=r"\(1000 MiB\).*spark.driver.maxResultSize is 1g"):
+        check_result_size(FakeSession(), 1000 << 20, "with ps.placement=task")
+    check_result_size(FakeSession(spark_driver_maxResultSize="4g"), 1000 << 20, "x")
+    check_result_size(FakeSession(spark_driver_maxResultSize="0"), 100 << 30, "x")  # 0: no limit
+    with pytest.raises(ConfigError, match="with train.backend=allreduce.*is 512m"):
+        check_result_size(FakeSession(spark_driver_maxResultSize="512m"), 500 << 20, "with train.backend=allreduce")
