@@ -1045,8 +1045,10 @@ class ShardServer:
             self._failures[rank] = failure
             if consequence:
                 self._consequences.add(rank)
+            # Logged before anyone can see the failure, so the line never outlives what it reports
+            # (a reader that returns on it may tear logging down next).
+            logger.warning("rank %s failed (shard %s): %s", rank, self._shard_index, failure.error)
             self._cond.notify_all()
-        logger.warning("rank %s failed (shard %s): %s", rank, self._shard_index, failure.error)
         return True
 
     def _record_drop(self, conn: _Conn, what: str) -> None:
