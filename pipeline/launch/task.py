@@ -69,6 +69,8 @@ def make_task_fn(plans: list[dict], ps_host: str | None, ps_port: int | None, se
             if error is not None:
                 yield from _batches(_failure_row(rank, error, ""))
                 return
+            if host_ps is not None:
+                host_ps.watch()
             address = found.get("ps") or (ps_host, ps_port)
             if pipeline is not None and pipeline.get("ps"):
                 address = pipeline["ps"]  # this stage's server

@@ -72,7 +72,6 @@ class HostedPS:
         from pipeline.checkpoints import CheckpointInfo, CheckpointStore
         from pipeline.launch.progress import EpochProgress
         from pipeline.launch.train import Checkpointer
-        from pipeline.launch.watchdog import StageWatchdog
         from pipeline.models import ModelSpec, build_model, flat_parameters
         from pipeline.ps import OptimizerSpec, ParameterServer
         from pipeline.ps.modes import Consistency
@@ -101,8 +100,6 @@ class HostedPS:
             self.checkpointer = self._stack.enter_context(Checkpointer(
                 store, self._snapshot, lambda: self.server.version, spec.checkpoint_every,
                 enabled=spec.checkpoints_enabled))
-            self._stack.enter_context(StageWatchdog(self.server, spec.world_size, connect_timeout_s=spec.timeout_s,
-                                                    grace_s=spec.grace_s, cancel=lambda reason: None))
         except BaseException:
             self._stack.close()
             raise
@@ -112,6 +109,15 @@ class HostedPS:
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+
+    def watch(self) -> None:
+        """Start the stage watchdog (connect deadline, failed-attempt grace) once every task has passed
+        the rendezvous, so the connect deadline does not also pay for the allGather."""
+        from pipeline.launch.watchdog import StageWatchdog
+
+        spec = self.spec
+        self._stack.enter_context(StageWatchdog(self.server, spec.world_size, connect_timeout_s=spec.timeout_s,
+                                                grace_s=spec.grace_s, cancel=lambda reason: None))
 
     def _snapshot(self) -> dict:
         s = self.spec

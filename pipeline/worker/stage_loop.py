@@ -218,7 +218,8 @@ def _train(plan: WorkerPlan, grid: StagePlan, client, info, module, gpipe, loade
                 try:
                     stats = gpipe.step(step, features=x if grid.is_first else None, labels=y if grid.is_last else None)
                 except PSError as exc:
-                    raise StageLinkError(f"{LINK_CONSEQUENCE} of stage {grid.stage} broke in step {step}: {exc}") from exc
+                    raise StageLinkError(f"{LINK_CONSEQUENCE} of stage {grid.stage} broke in step {step}: "
+                                         f"{exc}") from exc
                 if plan.backend == "allreduce":
                     try:
                         _allreduce_gradients(module, grid.replicas)

@@ -40,7 +40,7 @@ def test_allreduce_reaches_the_accuracy_bar_with_identical_replicas(spark, digit
 def test_a_failing_rank_gives_one_exception_and_leaves_no_process_group(spark, digits, where):
     cfg, manifest = digits
     failing = with_changes(cfg, train={"epochs": 1, "max_attempts": 1}, ps={"timeout_s": 15},
-                    faults={"fail_rank": 1, "fail_step": 3, "fail_in_rendezvous": where == "rendezvous"})
+                           faults={"fail_rank": 1, "fail_step": 3, "fail_in_rendezvous": where == "rendezvous"})
     with pytest.raises(WorkerTrainingFailedError) as info:
         train(spark, failing, manifest)
     assert list(info.value.failures) == [1]

@@ -51,7 +51,7 @@ def test_hung_worker_fails_the_step_naming_its_rank_then_the_retry_succeeds(spar
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
     hung = with_changes(cfg, train={"epochs": 2}, ps={"timeout_s": 2.0},
-                 faults={"delay_rank": 0, "delay_step": steps + 3, "delay_ms": 6000})
+                        faults={"delay_rank": 0, "delay_step": steps + 3, "delay_ms": 6000})
     result = train(spark, hung, manifest)
 
     assert result.steps == 2 * steps
@@ -63,7 +63,8 @@ def test_hung_worker_fails_the_step_naming_its_rank_then_the_retry_succeeds(spar
 
 def test_a_worker_failing_in_every_attempt_exhausts_max_attempts(spark, digits, caplog):
     cfg, manifest = digits
-    failing = with_changes(cfg, train={"epochs": 1, "max_attempts": 2}, faults={"fail_rank": 0, "fail_step": 2, "attempts": 5})
+    failing = with_changes(cfg, train={"epochs": 1, "max_attempts": 2},
+                           faults={"fail_rank": 0, "fail_step": 2, "attempts": 5})
     with caplog.at_level(logging.WARNING, logger="pipeline.launch.train"):
         with pytest.raises(WorkerTrainingFailedError, match=r"gave up after 2 attempt\(s\) \(train.max_attempts=2\)") as info:
             train(spark, failing, manifest)

@@ -49,7 +49,8 @@ def test_two_stage_pipeline_trains_digits_and_reports_per_stage_metrics(spark, d
 def test_a_failing_stage_names_rank_and_stage_and_the_retry_completes(spark, digits):
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 1, cfg.train.batch_size)
-    failing = with_changes(cfg, name="pp-fail", train={"epochs": 2}, faults={"fail_rank": 1, "fail_step": steps + 2})
+    failing = with_changes(cfg, name="pp-fail", train={"epochs": 2},
+                           faults={"fail_rank": 1, "fail_step": steps + 2})
     result = train(spark, failing, manifest)
     assert result.steps == 2 * steps
     [failure] = result.failed_attempts
@@ -57,7 +58,7 @@ def test_a_failing_stage_names_rank_and_stage_and_the_retry_completes(spark, dig
     assert "stage 1 of 2 (replica 0): InjectedFault" in failure["error"]
 
     always = with_changes(cfg, name="pp-fail-always", train={"epochs": 1, "max_attempts": 1},
-                   faults={"fail_rank": 1, "fail_step": 1, "attempts": 5})
+                          faults={"fail_rank": 1, "fail_step": 1, "attempts": 5})
     with pytest.raises(WorkerTrainingFailedError) as info:
         train(spark, always, manifest)
     assert list(info.value.failures) == [1]  # the stage that failed, not its neighbour's broken link
@@ -119,9 +120,10 @@ def test_hybrid_data_2_pipeline_2_on_four_barrier_tasks(tmp_path):
 def test_pipeline_checkpoints_resume_with_the_per_stage_servers(spark, digits):
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 1, cfg.train.batch_size)
-    first = train(spark, with_changes(cfg, name="pp-resume", train={"epochs": 2, "checkpoint_every": steps}), manifest)
+    first = train(spark, with_changes(cfg, name="pp-resume", train={"epochs": 2, "checkpoint_every": steps}),
+                  manifest)
     assert first.steps == 2 * steps
-    resumed = train(spark, with_changes(cfg, name="pp-resume", train={"epochs": 3, "checkpoint_every": steps}), manifest,
-                    resume=True)
+    resumed = train(spark, with_changes(cfg, name="pp-resume", train={"epochs": 3, "checkpoint_every": steps}),
+                    manifest, resume=True)
     assert resumed.resumed_from_step == 2 * steps and resumed.steps == 3 * steps
     assert [row["epoch"] for row in resumed.history] == [0, 1, 2]

@@ -53,7 +53,7 @@ def test_a_killed_rank_is_retried_from_the_task_ps_checkpoint(spark, digits):
     planned = steps * 4
     kill_at = 2 * steps + 3
     killed = with_changes(cfg, name="task-ps-kill", train={"epochs": 4, "checkpoint_every": steps},
-                   faults={"kill_rank": 1, "kill_step": kill_at})
+                          faults={"kill_rank": 1, "kill_step": kill_at})
     result = train(spark, killed, manifest)
 
     assert result.steps == planned
@@ -71,7 +71,7 @@ def test_a_killed_rank_is_retried_from_the_task_ps_checkpoint(spark, digits):
 def test_failure_in_every_attempt_names_the_rank(spark, digits):
     cfg, manifest = digits
     failing = with_changes(cfg, name="task-ps-fail", train={"epochs": 1, "max_attempts": 2},
-                    faults={"fail_rank": 1, "fail_step": 2, "attempts": 5})
+                           faults={"fail_rank": 1, "fail_step": 2, "attempts": 5})
     with pytest.raises(WorkerTrainingFailedError, match=r"gave up after 2 attempt\(s\)") as info:
         train(spark, failing, manifest)
     assert list(info.value.failures) == [1]
@@ -96,7 +96,8 @@ def test_parameters_are_split_into_chunks_and_reassembled(monkeypatch):
 def test_allreduce_backend_with_the_task_hosted_ps(spark, digits):
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
-    result = train(spark, with_changes(cfg, name="task-ps-allreduce", train={"backend": "allreduce", "epochs": 3}), manifest)
+    allreduce = with_changes(cfg, name="task-ps-allreduce", train={"backend": "allreduce", "epochs": 3})
+    result = train(spark, allreduce, manifest)
 
     assert result.steps == 3 * steps
     assert len({r["parameters_digest"] for r in result.ranks}) == 1  # replicas agree
@@ -111,8 +112,10 @@ def test_a_rank_stuck_past_the_deadline_is_torn_down_by_rank_0_and_the_retry_com
     account of the failure in the error, which the driver decodes."""
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
-    stuck = with_changes(cfg, name="task-ps-stuck", train={"epochs": 2}, ps={"timeout_s": 2.0},
-                  faults={"delay_rank": 1, "delay_step": steps + 3, "delay_ms": 8000})
+    # ps.timeout_s also bounds connecting, which a fresh Python worker on a loaded machine can take
+    # seconds for: 4 s, with a stall of 12 s that clearly exceeds it.
+    stuck = with_changes(cfg, name="task-ps-stuck", train={"epochs": 2}, ps={"timeout_s": 4.0},
+                         faults={"delay_rank": 1, "delay_step": steps + 3, "delay_ms": 12000})
     result = train(spark, stuck, manifest)
 
     assert result.steps == 2 * steps
