@@ -50,10 +50,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted. Notebooks and test runners swap
+    sys.stderr; a handler bound to the old object would write to a closed stream for the rest of the
+    process (and print a traceback per log line, from every PS thread)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property always wins
+        pass
+
+
 def configure_logging(level: str) -> None:
     # force: under spark-submit the root logger already has a stdout handler; the CLI owns the process.
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[_CurrentStderrHandler()],
+                        force=True, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("py4j", "urllib3", "alembic", "mlflow"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -26,3 +26,25 @@ def test_usage_lists_the_commands(capsys):
     out = capsys.readouterr().out
     for command in ("etl", "train", "evaluate", "run"):
         assert command in out
+
+
+def test_cli_logging_follows_sys_stderr_when_it_is_swapped(monkeypatch):
+    import io
+    import logging
+
+    from pipeline.cli import configure_logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        first = io.StringIO()
+        monkeypatch.setattr("sys.stderr", first)
+        configure_logging("INFO")
+        first.close()  # what a test runner or a notebook cell does with the stream it handed out
+        second = io.StringIO()
+        monkeypatch.setattr("sys.stderr", second)
+        logging.getLogger("pipeline.test").info("after the swap")
+        assert "after the swap" in second.getvalue()
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
