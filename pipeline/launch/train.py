@@ -207,22 +207,23 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
         if resumed is not None:
             progress.restore(resumed["history"])  # epochs already logged by the run being resumed
         return _train_with_task_ps(spark, cfg, manifest, spec, steps, store, latest if resumed else None,
-                                   initial_parameters, progress, expected, checkpoint_extra)
+                                   initial_parameters, initial.numel(), progress, expected, checkpoint_extra)
     host = _ps_host(spark, cfg)
     started = time.perf_counter()
     log.info("training %s: %d workers x %d steps/epoch x %d epochs, %d parameters, PS on %s",
              cfg.name, workers, steps, cfg.train.epochs, initial.numel(), host)
-    if stages > 1:
+    ranges = stage_ranges(spec, cfg) if stages > 1 else None
+    if ranges is not None:
         log.info("pipeline parallelism: %d replicas x %d stages (parameter slices %s), %d micro-batches",
-                 replicas, stages, stage_ranges(spec, cfg), cfg.parallelism.micro_batches)
+                 replicas, stages, ranges, cfg.parallelism.micro_batches)
     secret = new_secret()
     server_kwargs = dict(secret=secret, optimizer=_optimizer(cfg), host=host, timeout_s=cfg.ps.timeout_s, generation=1,
                          on_metrics=progress, consistency=consistency, compression=cfg.ps.compression,
                          topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards)
-    if stages > 1:
+    if ranges is not None:
         from pipeline.ps.staged import StagedParameterServer
 
-        ps = StagedParameterServer(initial, stage_ranges(spec, cfg), replicas=replicas, **server_kwargs)
+        ps = StagedParameterServer(initial, ranges, replicas=replicas, **server_kwargs)
     else:
         ps = ParameterServer(initial, world_size=workers, **server_kwargs)
     with ps as server:
@@ -361,7 +362,7 @@ def _checkpoint_meta(cfg: PipelineConfig, manifest: Manifest, steps: int, extra:
 
 
 def _train_with_task_ps(spark, cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, store,
-                        resume_from, initial_parameters, progress: EpochProgress, expected: int,
+                        resume_from, initial_parameters, num_params: int, progress: EpochProgress, expected: int,
                         checkpoint_extra: Optional[dict]) -> TrainResult:
     """ps.placement=task: each attempt's PS lives in rank 0's task; a retry restarts it from the newest
     checkpoint; the history and final parameters come back as result rows."""
@@ -404,7 +405,7 @@ def _train_with_task_ps(spark, cfg: PipelineConfig, manifest: Manifest, spec: Mo
         break
     progress.replay(report["history"])
     if allreduce:
-        parameters, version = _replica_parameters(rows, initial_size(spec)), min(r["steps"] for r in rows)
+        parameters, version = _replica_parameters(rows, num_params), min(r["steps"] for r in rows)
         expected = steps * cfg.train.epochs
     else:
         import torch
@@ -445,10 +446,6 @@ def _own_latest(store, launch_id: str, fallback):
         log.warning("could not read checkpoint %s to resume the retry", latest.path, exc_info=True)
         own = False
     return latest if own else fallback
-
-
-def initial_size(spec: ModelSpec) -> int:
-    return sum(p.numel() for p in build_model(spec).parameters())
 
 
 def _run_task_attempt(spark, cfg: PipelineConfig, plans: list[dict], secret: bytes, hosted: dict,
