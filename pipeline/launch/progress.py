@@ -61,10 +61,39 @@ class EpochProgress:
                 self.history.append(dict(row))
             self._announce(dict(row))
 
-    def restore(self, history: list[dict]) -> None:
-        """Start from the epochs a checkpoint recorded (a resumed run)."""
+    def restore(self, history: list[dict], pending: Optional[list] = None) -> None:
+        """Start from what a checkpoint recorded (a resumed run): the summarized epochs and the reports
+        of epochs some ranks had not reached yet (``[epoch, rank, metrics]`` as ``reports()`` gives)."""
         with self._lock:
             self.history = [dict(row) for row in history]
+            self._pending = {}
+            for epoch, rank, metrics in pending or []:
+                self._pending.setdefault(int(epoch), {})[int(rank)] = dict(metrics)
+
+    def close_abandoned(self, unreported: list[tuple[int, int]]) -> None:
+        """Summarize epochs from the reports that did arrive when the other ranks will never send theirs:
+        a rank that died between an epoch's last step and its report resumes after that epoch. The row
+        says how many ranks it covers (``ranks_reported``)."""
+        for epoch in sorted({epoch for _, epoch in unreported}):
+            with self._lock:
+                reports = self._pending.pop(epoch, None)
+                if not reports:
+                    continue  # no rank reported it: there is nothing to summarize
+                row = {**self._summarize(epoch, reports), "ranks_reported": len(reports)}
+                self.history.append(row)
+                self.history.sort(key=lambda known: known["epoch"])
+            log.warning("epoch %d: only rank(s) %s reported it before the failure; its row covers those",
+                        epoch + 1, sorted(reports))
+            self._announce(row)
+
+    def reports(self) -> dict:
+        """What a checkpoint keeps of the progress: the history and the pending reports. A rank resumed
+        past an epoch never reports it again, so its report must survive with the checkpoint."""
+        with self._lock:
+            return {"history": [dict(row) for row in self.history],
+                    "pending": [[epoch, rank, {k: v for k, v in metrics.items() if k != "log"}]
+                                for epoch, by_rank in sorted(self._pending.items())
+                                for rank, metrics in sorted(by_rank.items())]}
 
     @staticmethod
     def _summarize(epoch: int, reports: dict[int, dict]) -> dict:
@@ -177,3 +206,14 @@ class StepProgress:
             self._stream.flush()
             if done >= self._total:
                 return
+
+
+def unreported_epochs(reports: dict, resume_steps: dict[int, int], steps_per_epoch: int) -> list[tuple[int, int]]:
+    """(rank, epoch) pairs a rank has stepped past but whose report is not in ``reports`` (as
+    ``EpochProgress.reports()`` gives). A rank reports an epoch just after its last step, so a PS
+    snapshot can run ahead of the reports; resuming from it would lose those epochs' rows for good."""
+    done = {int(row["epoch"]) for row in reports["history"]}
+    pending = {(int(rank), int(epoch)) for epoch, rank, _ in reports["pending"]}
+    return [(rank, epoch) for rank, step in sorted(resume_steps.items())
+            for epoch in range(step // max(steps_per_epoch, 1))
+            if epoch not in done and (rank, epoch) not in pending]

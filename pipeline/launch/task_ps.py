@@ -28,6 +28,7 @@ class HostedPSSpec:
 
     world_size: int
     epochs: int
+    steps_per_epoch: int
     generation: int
     optimizer: dict
     consistency: dict
@@ -95,7 +96,7 @@ class HostedPS:
                 topk_ratio=spec.topk_ratio, shards=spec.shards))
             if state is not None:
                 self.server.load_state_dict(state["ps"])
-                self.progress.restore(state["history"])
+                self.progress.restore(state["history"], state.get("pending"))
                 log.info("task PS resuming from %s at step %d", spec.resume_path, self.server.version)
             self.checkpointer = self._stack.enter_context(Checkpointer(
                 store, self._snapshot, lambda: self.server.version, spec.checkpoint_every,
@@ -120,9 +121,13 @@ class HostedPS:
                                                 grace_s=spec.grace_s, cancel=lambda reason: None))
 
     def _snapshot(self) -> dict:
+        from pipeline.launch.snapshot import take_snapshot
+        from pipeline.ps.modes import Consistency
+
         s = self.spec
-        return {"step": self.server.version, "ps": self.server.state_dict(), "model": s.model, "epochs": s.epochs,
-                "seed": s.seed, "history": [dict(row) for row in self.progress.history], **s.checkpoint_meta}
+        return take_snapshot(self.server, self.progress, Consistency(**s.consistency),
+                             s.steps_per_epoch, s.epochs, model=s.model, epochs=s.epochs,
+                             seed=s.seed, **s.checkpoint_meta)
 
     def wait_for_peers(self) -> None:
         """After rank 0's own worker is done: wait until every rank finished or the attempt failed.

@@ -18,7 +18,8 @@ from typing import Callable, Optional
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError, PSError, WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.preflight import check_barrier_slots, check_result_size
-from pipeline.launch.progress import EpochProgress, StepProgress
+from pipeline.launch.progress import EpochProgress, StepProgress, unreported_epochs
+from pipeline.launch.snapshot import SnapshotNotReady, take_snapshot
 from pipeline.launch.task import RESULT_SCHEMA, make_task_fn, merge_chunks
 from pipeline.launch.task_ps import decode_failure_report
 from pipeline.launch.watchdog import StageWatchdog
@@ -205,7 +206,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     progress = EpochProgress(workers, cfg.train.epochs, epoch_done)
     if cfg.ps.placement == "task":
         if resumed is not None:
-            progress.restore(resumed["history"])  # epochs already logged by the run being resumed
+            progress.restore(resumed["history"], resumed.get("pending"))  # epochs the resumed run logged
         return _train_with_task_ps(spark, cfg, manifest, spec, steps, store, latest if resumed else None,
                                    initial_parameters, initial.numel(), progress, expected, checkpoint_extra)
     host = _ps_host(spark, cfg)
@@ -229,20 +230,20 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     with ps as server:
         if resumed is not None:
             server.load_state_dict(resumed["ps"])
-            progress.restore(resumed["history"])
+            progress.restore(resumed["history"], resumed.get("pending"))
             log.info("resuming from checkpoint %s at step %d of %d", latest.path, server.version, expected)
 
         def snapshot() -> dict:
-            return {"step": server.version, "ps": server.state_dict(), "model": spec.to_dict(),
-                    "epochs": cfg.train.epochs, "seed": cfg.train.seed,
-                    "history": [dict(row) for row in progress.history],
-                    **_checkpoint_meta(cfg, manifest, steps, checkpoint_extra)}
+            return take_snapshot(server, progress, consistency, steps, cfg.train.epochs, model=spec.to_dict(),
+                                 epochs=cfg.train.epochs, seed=cfg.train.seed,
+                                 **_checkpoint_meta(cfg, manifest, steps, checkpoint_extra))
 
         # allreduce keeps no state on the server: nothing to checkpoint, and a retry starts over.
         with Checkpointer(store, snapshot, lambda: server.version, cfg.train.checkpoint_every,
                           enabled=not allreduce) as checkpointer:
             failed_attempts: list[dict] = []
-            rows = _attempts(spark, cfg, server, secret, manifest, spec, steps, bar, checkpointer, failed_attempts)
+            rows = _attempts(spark, cfg, server, secret, manifest, spec, steps, bar, progress, checkpointer,
+                             failed_attempts)
             if allreduce:
                 parameters, version = _replica_parameters(rows, initial.numel(), stages), min(r["steps"] for r in rows)
                 expected = steps * cfg.train.epochs
@@ -281,7 +282,7 @@ def _replica_parameters(rows: list[dict], num_params: int, stages: int = 1):
 
 
 def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manifest, spec: ModelSpec, steps: int, bar,
-              checkpointer: "Checkpointer", failed_attempts: list[dict]) -> list[dict]:
+              progress: EpochProgress, checkpointer: "Checkpointer", failed_attempts: list[dict]) -> list[dict]:
     """Run barrier attempts until one succeeds or train.max_attempts are spent; return its rows."""
     attempt = 1
     while True:
@@ -300,7 +301,25 @@ def _attempts(spark, cfg: PipelineConfig, server, secret: bytes, manifest: Manif
             except PSError as exc:  # e.g. pipeline stages left one step apart: cannot continue safely
                 failure.cause = f"{failure.cause + '; ' if failure.cause else ''}cannot retry: {exc}"
                 raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped) from failure
+            _close_abandoned_epochs(server, progress, cfg, steps)
             attempt += 1
+
+
+def _close_abandoned_epochs(server, progress: EpochProgress, cfg: PipelineConfig, steps: int) -> None:
+    """Before a retry: epochs a dead rank stepped past without reporting are summarized from the others
+    (the retried rank starts after them and will not report them)."""
+    if cfg.train.backend == "allreduce":
+        return  # every rank starts over
+    from pipeline.ps.modes import resume_step
+
+    try:
+        state, consistency = server.state_dict(), _consistency(cfg)
+    except PSError:  # bookkeeping only: the retry itself does not depend on it
+        log.warning("could not read the PS state to settle the epochs of the failed attempt", exc_info=True)
+        return
+    resume = {rank: resume_step(consistency, state, rank, steps * cfg.train.epochs)
+              for rank in range(progress.world_size)}
+    progress.close_abandoned(unreported_epochs(progress.reports(), resume, steps))
 
 
 def _give_up_after_last_attempt(failure: WorkerTrainingFailedError, attempt: int, max_attempts: int) -> None:
@@ -382,7 +401,7 @@ def _train_with_task_ps(spark, cfg: PipelineConfig, manifest: Manifest, spec: Mo
     while True:
         secret = new_secret()  # per attempt: a late task of a failed attempt cannot join the next one
         hosted = HostedPSSpec(
-            world_size=workers, epochs=cfg.train.epochs, generation=attempt,
+            world_size=workers, epochs=cfg.train.epochs, steps_per_epoch=steps, generation=attempt,
             optimizer=dataclasses.asdict(_optimizer(cfg)), consistency=dataclasses.asdict(_consistency(cfg)),
             compression=cfg.ps.compression, topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards,
             timeout_s=cfg.ps.timeout_s, grace_s=min(cfg.ps.timeout_s, 3.0) if allreduce else cfg.ps.timeout_s,
@@ -534,6 +553,10 @@ class Checkpointer:
                 self._last = state["step"]
                 self.saved.append(state["step"])
                 log.info("checkpoint at step %d (%s): %s", state["step"], why, info.path)
+            except SnapshotNotReady as why_not:
+                # Periodic saves retry at the next poll; a skipped request leaves the previous checkpoint.
+                log.log(logging.DEBUG if why.startswith("every") else logging.INFO,
+                        "checkpoint (%s) skipped: %s", why, why_not)
             except Exception:
                 log.warning("could not write a checkpoint (%s) to %s", why, self._store.directory, exc_info=True)
 

@@ -65,3 +65,13 @@ def expected_version(consistency: Consistency, total_steps: int, world_size: int
     if consistency.mode == "average":
         return averaging_rounds(total_steps, consistency.sync_every)
     return total_steps
+
+
+def resume_step(consistency: Consistency, state: dict, rank: int, total_steps: int) -> int:
+    """The step ``rank`` starts at on a server loaded from ``state`` (what its exchange's start() returns):
+    the version in sync/ssp, its own clock in async, the last merged round's local step in average."""
+    if consistency.mode == "async":
+        return int(dict(state.get("clocks") or {}).get(rank, 0))
+    if consistency.mode == "average":
+        return min(int(state["version"]) * consistency.sync_every, total_steps)
+    return int(state["version"])

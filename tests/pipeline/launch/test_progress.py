@@ -60,3 +60,22 @@ def test_worker_log_lines_reach_the_driver_log_and_per_rank_metrics_are_kept(cap
     assert caplog.text.count("[rank 1] WARNING pipeline.data: slow disk") == 3
     [row] = rows
     assert row["rank0/wait_s"] == 0.1 and row["rank1/wait_s"] == 0.2 and row["rank1/samples_per_s"] == 50.0
+
+
+def test_an_epoch_a_dead_rank_stepped_past_is_summarized_from_the_ranks_that_reported():
+    from pipeline.launch.progress import unreported_epochs
+
+    rows = []
+    progress = EpochProgress(2, 3, rows.append)
+    for rank in (0, 1):
+        progress(rank, {"epoch": 0, "step": 4, "train_loss": 1.0, "samples": 40, "seconds": 2.0})
+    progress(0, {"epoch": 1, "step": 8, "train_loss": 0.5, "samples": 40, "seconds": 2.0, "val_accuracy": 0.9})
+    # Rank 1 pushed epoch 1's last step, then died before reporting; the retry resumes both at step 8.
+    missing = unreported_epochs(progress.reports(), {0: 8, 1: 8}, steps_per_epoch=4)
+    assert missing == [(1, 1)]
+    progress.close_abandoned(missing)
+    assert [row["epoch"] for row in rows] == [0, 1] and progress.history == rows
+    assert rows[1]["ranks_reported"] == 1 and rows[1]["val_accuracy"] == 0.9 and rows[1]["train_loss"] == 0.5
+    progress(1, {"epoch": 1, "step": 8, "train_loss": 0.7, "samples": 40, "seconds": 2.0})  # a late report
+    assert len(rows) == 2  # ignored: the epoch is closed
+    assert unreported_epochs(progress.reports(), {0: 8, 1: 8}, steps_per_epoch=4) == []

@@ -10,7 +10,7 @@ import torch
 from pipeline.errors import PSError
 from pipeline.ps import OptimizerSpec, ParameterServer
 from pipeline.ps.compression import Compressor
-from pipeline.ps.modes import Consistency, averaging_rounds, expected_version
+from pipeline.ps.modes import Consistency, averaging_rounds, expected_version, resume_step
 from pipeline.ps.protocol import Channel, MsgType, auth_mac
 
 N = 6
@@ -177,3 +177,12 @@ def test_a_server_accepts_only_its_configured_push_dtype(make_server, make_clien
     c._links[0].compressor = Compressor("none", N)  # a worker that ignores the server's compression
     with pytest.raises(PSError, match="FLOAT32 is not accepted"):
         c.push(0, torch.ones(N))
+
+
+def test_resume_step_mirrors_where_each_mode_restarts_a_rank():
+    state = {"version": 7, "clocks": {0: 12, 1: 9}}
+    assert resume_step(Consistency("sync"), state, 1, 100) == 7
+    assert resume_step(Consistency("ssp", staleness=2), state, 1, 100) == 7  # clocks restart at the version
+    assert [resume_step(Consistency("async"), state, r, 100) for r in (0, 1, 2)] == [12, 9, 0]  # own clock
+    assert resume_step(Consistency("average", sync_every=4), state, 0, 100) == 28  # after the last merged round
+    assert resume_step(Consistency("average", sync_every=4), state, 0, 25) == 25  # the last round is short
