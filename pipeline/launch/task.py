@@ -108,9 +108,8 @@ def _start_hosted_ps(context, hosted: dict, secret: bytes):
     """Rank 0: start the PS on this executor's address; (HostedPS, None) or (None, error text)."""
     from pipeline.launch.task_ps import HostedPS, HostedPSSpec
 
-    host = context.getTaskInfos()[0].address.rsplit(":", 1)[0]
     try:
-        return HostedPS(HostedPSSpec(**hosted), host, secret).__enter__(), None
+        return HostedPS(HostedPSSpec(**hosted), _own_host(context, 0), secret).__enter__(), None
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the allGather
         logging.getLogger(__name__).exception("rank 0 could not start the parameter server")
         return None, f"rank 0 could not start the parameter server (ps.placement=task): {type(exc).__name__}: {exc}"
@@ -208,15 +207,20 @@ def _rendezvous(context, rank: int, plan: dict, *, ps=None, link=None, offer_err
         offer["ps"] = list(ps)
     if link is not None:
         offer["link"] = list(link)
+    probe = None
     if plan["backend"] == "allreduce" and rank == leader:
         host = _own_host(context, rank)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((host, 0))
-            offer["allreduce"] = [host, probe.getsockname()[1]]
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        probe.bind((host, 0))
+        offer["allreduce"] = [host, probe.getsockname()[1]]
     try:
         offers = [json.loads(m) for m in context.allGather(json.dumps(offer))]
     except Exception as exc:  # noqa: BLE001 - reported as this rank's failure row
         return None, f"rendezvous: the barrier allGather failed: {type(exc).__name__}: {exc}"
+    finally:
+        # Held through the allGather: two group leaders on one host then cannot be offered the same port.
+        if probe is not None:
+            probe.close()
     errors = [(r, o["error"]) for r, o in enumerate(offers) if "error" in o]
     if errors:
         mine = [e for r, e in errors if r == rank]
