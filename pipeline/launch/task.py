@@ -56,6 +56,10 @@ def make_task_fn(plans: list[dict], ps_host: str | None, ps_port: int | None, se
         if not needs_allreduce and hosted is None and pipeline is None:
             yield from _batches(run_rank(plan, ps_host, ps_port, secret, log_tail_lines, gpu=gpu))
             return
+        # Import what training needs before the rendezvous: a fresh Python worker's torch import must not
+        # eat into the deadlines that start there (a peer's PS wait, the connect watchdog).
+        from pipeline.worker import loop as _preloaded  # noqa: F401
+
         host_ps = listener = None
         try:
             offer_error = None
@@ -84,7 +88,8 @@ def make_task_fn(plans: list[dict], ps_host: str | None, ps_port: int | None, se
             if host_ps is not None:
                 host_ps.wait_for_peers()
                 report = host_ps.report(failed=not row["ok"])
-                stuck = host_ps.stuck_ranks()
+                # Rank 0's own outcome is in its row; the server may not have seen its disconnect yet.
+                stuck = [r for r in host_ps.stuck_ranks() if r != 0]
                 if stuck:
                     from pipeline.launch.task_ps import failure_error
 

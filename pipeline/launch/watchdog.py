@@ -12,16 +12,23 @@ import time
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
+# Until some rank has connected, the stage may still be waiting for slots or forking Python workers.
+FIRST_CONNECT_FLOOR_S = 60.0
 
 
 class StageWatchdog:
     """Cancels the stage when ranks miss the connect deadline, or when a failed attempt outlives `grace_s`."""
 
     def __init__(self, server, world_size: int, *, connect_timeout_s: float, grace_s: float,
-                 cancel: Callable[[str], None], poll_s: float = 0.2):
+                 cancel: Callable[[str], None], poll_s: float = 0.2, first_connect_s: Optional[float] = None):
         self._server = server
         self._world_size = world_size
         self._connect_timeout_s = connect_timeout_s
+        # The barrier stage starts every task at once, so the connect deadline counts from the first rank
+        # that connects: the time Spark takes to schedule the stage and fork fresh Python workers (which
+        # import torch) is not the ranks' fault. Until one connects, a longer floor applies.
+        self._first_connect_s = (max(connect_timeout_s, FIRST_CONNECT_FLOOR_S) if first_connect_s is None
+                                 else first_connect_s)
         self._grace_s = grace_s
         self._cancel = cancel
         self._poll_s = poll_s
@@ -48,6 +55,7 @@ class StageWatchdog:
 
     def _watch(self) -> None:
         started = time.monotonic()
+        first_connected: Optional[float] = None
         failed_since: Optional[float] = None
         while not self._stop.wait(self._poll_s):
             now = time.monotonic()
@@ -57,8 +65,18 @@ class StageWatchdog:
                     self._fire(f"the training attempt failed and its tasks did not stop within {self._grace_s:.0f}s")
                     return
                 continue
-            missing = sorted(set(range(self._world_size)) - self._server.registered_ranks)
-            if missing and now - started > self._connect_timeout_s:
+            registered = self._server.registered_ranks
+            missing = sorted(set(range(self._world_size)) - registered)
+            if not missing:
+                continue
+            if registered and first_connected is None:
+                first_connected = now
+            if first_connected is None and now - started > self._first_connect_s:
+                self._fire(f"no rank connected to the parameter server within {self._first_connect_s:g}s of the "
+                           "barrier stage's start (tasks not scheduled, or stuck before connecting)")
+                return
+            if first_connected is not None and now - first_connected > self._connect_timeout_s:
                 self._fire(f"rank(s) {missing} did not connect to the parameter server within "
-                           f"{self._connect_timeout_s:g}s; raise ps.timeout_s if executors start slowly")
+                           f"{self._connect_timeout_s:g}s of rank(s) {sorted(registered)}; raise ps.timeout_s "
+                           "if executors start slowly")
                 return

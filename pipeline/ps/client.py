@@ -118,6 +118,7 @@ class PSClient:
         self._params_buf: bytearray | None = None
         self._params: torch.Tensor | None = None
         self._ever_connected = False
+        self._failure_reported = False
         # Kept across reconnects, per shard slice: the top-k residual is gradient not yet sent.
         self._compressors: dict[tuple[int, int], Compressor] = {}
 
@@ -128,15 +129,26 @@ class PSClient:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if exc is not None and not isinstance(exc, PSError):
-            tail = ""
-            if self._log_tail is not None:
-                try:
-                    tail = self._log_tail()
-                except Exception:  # a log tail is a nicety; the FAIL itself must go out
-                    tail = ""
-            self.fail(f"{type(exc).__name__}: {exc}", tail)
+        if exc is not None:
+            self.report_failure(exc)
         self.close()
+
+    def report_failure(self, exc: BaseException) -> None:
+        """FAIL for ``exc`` with this rank's log tail, once (a later call for the same failure is a no-op).
+        A PSError is the server's side of a failure it already knows about: nothing is sent for it.
+
+        Called early by code that tears down something peers wait on (a process group), so the server
+        hears the cause before the consequences."""
+        if isinstance(exc, PSError) or self._failure_reported:
+            return
+        self._failure_reported = True
+        tail = ""
+        if self._log_tail is not None:
+            try:
+                tail = self._log_tail()
+            except Exception:  # a log tail is a nicety; the FAIL itself must go out
+                tail = ""
+        self.fail(f"{type(exc).__name__}: {exc}", tail)
 
     @property
     def info(self) -> ServerInfo | None:

@@ -161,7 +161,14 @@ def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, device: 
         total_steps = plan.steps_per_epoch * plan.epochs
         group = _process_group(rendezvous, plan, device) if plan.backend == "allreduce" else nullcontext()
         with group:
-            result = _train(plan, client, info, model, loss, loader, validation, total_steps, device, level, started)
+            try:
+                result = _train(plan, client, info, model, loss, loader, validation, total_steps, device, level,
+                                started)
+            except BaseException as exc:
+                # Before the process group goes: its teardown breaks the peers' collectives, and their
+                # FAILs must not reach the server ahead of this rank's cause.
+                client.report_failure(exc)
+                raise
         client.finish()
     return result
 

@@ -119,7 +119,11 @@ def _run_stage(plan: WorkerPlan, grid: StagePlan, ps_host: str, ps_port: int, se
             gpipe = GPipeStage(module, stage=grid.stage, stages=grid.stages, micro_batches=grid.micro_batches,
                                prev=prev, next=nxt, loss_fn=loss_fn(plan.task) if grid.is_last else None,
                                device=torch.device(device))
-            result = _train(plan, grid, client, info, module, gpipe, loader, device, level, started)
+            try:
+                result = _train(plan, grid, client, info, module, gpipe, loader, device, level, started)
+            except BaseException as exc:
+                client.report_failure(exc)  # before the links and the group close under the neighbours
+                raise
         client.finish()
     return WorkerResult(**result)
 

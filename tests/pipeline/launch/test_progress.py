@@ -41,7 +41,9 @@ def test_step_bar_draws_on_a_terminal():
     with StepProgress(lambda: next(versions), total_steps=5, stream=stream, interval_s=0.01):
         import time
 
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # wait for the drawing thread's first line (a slow CI core)
+        while "\r[" not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert "\r[" in stream.getvalue() and "/5 steps" in stream.getvalue()
 
 

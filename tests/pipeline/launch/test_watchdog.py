@@ -26,6 +26,32 @@ def test_ranks_that_never_connect_cancel_the_stage_naming_them():
             assert server.aborted
 
 
+def test_the_connect_deadline_counts_from_the_first_rank_that_connects():
+    secret = new_secret()
+    cancelled = threading.Event()
+    with _server(secret) as server:
+        with StageWatchdog(server, 2, connect_timeout_s=0.2, grace_s=5, cancel=lambda r: cancelled.set(),
+                           poll_s=0.02, first_connect_s=30) as watchdog:
+            # Far past connect_timeout_s with nobody connected (Spark still scheduling): no cancel,
+            # the 30 s first-connect floor applies.
+            assert not cancelled.wait(0.6)
+            with PSClient(*server.address, rank=1, secret=secret, timeout_s=5) as client:
+                client.connect()
+                assert cancelled.wait(5)
+        assert "rank(s) [0] did not connect" in watchdog.reason and "of rank(s) [1]" in watchdog.reason
+
+
+def test_a_stage_where_no_rank_ever_connects_is_cancelled_after_the_first_connect_floor():
+    secret = new_secret()
+    cancelled = threading.Event()
+    with _server(secret) as server:
+        with StageWatchdog(server, 2, connect_timeout_s=0.1, grace_s=5, cancel=lambda r: cancelled.set(),
+                           poll_s=0.02, first_connect_s=0.3) as watchdog:
+            assert cancelled.wait(5)
+        assert "no rank connected to the parameter server within 0.3s" in watchdog.reason
+        assert server.aborted
+
+
 def test_a_healthy_stage_is_left_alone():
     secret = new_secret()
     with _server(secret, world=1) as server:
