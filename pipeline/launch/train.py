@@ -350,6 +350,8 @@ def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[
             rows = merge_chunks([r.asDict() for r in ranks_df.mapInArrow(task_fn, RESULT_SCHEMA,
                                                                          barrier=True).collect()])
     except BaseException as exc:
+        if isinstance(exc, Exception):
+            _await_rank_failure(server, min(cfg.ps.timeout_s, 2.0))
         server.fail(f"the Spark barrier job failed: {_spark_error_summary(exc)}")
         _interrupt(spark, tag)
         if not isinstance(exc, Exception):  # KeyboardInterrupt & co: stop, do not retry
@@ -372,6 +374,15 @@ def _run_attempt(spark, cfg: PipelineConfig, server, secret: bytes, plans: list[
             {r["rank"]: WorkerFailure(r["rank"], r["error"], r["log_tail"] or "") for r in primary}, attempt,
             stopped={r["rank"]: r["error"] for r in failed if r not in primary})
     return rows
+
+
+def _await_rank_failure(server, wait_s: float) -> None:
+    """When Spark reports the stage failed, give the PS a moment to hear which rank it was (a killed
+    worker's connection drops at once, but the server's thread may not have recorded it yet): once the
+    server is told the job failed, later drops count as consequences, not as the cause."""
+    deadline = time.monotonic() + wait_s
+    while not server.failures and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _checkpoint_meta(cfg: PipelineConfig, manifest: Manifest, steps: int, extra: Optional[dict]) -> dict:
