@@ -61,13 +61,13 @@ class EpochProgress:
                 self.history.append(dict(row))
             self._announce(dict(row))
 
-    def restore(self, history: list[dict], pending: Optional[list] = None) -> None:
-        """Start from what a checkpoint recorded (a resumed run): the summarized epochs and the reports
-        of epochs some ranks had not reached yet (``[epoch, rank, metrics]`` as ``reports()`` gives)."""
+    def restore(self, reports: dict) -> None:
+        """Start from what ``reports()`` gave to a checkpoint (a resumed run): the summarized epochs and the
+        reports of epochs some ranks had not reached yet (absent from checkpoints that predate them)."""
         with self._lock:
-            self.history = [dict(row) for row in history]
+            self.history = [dict(row) for row in reports["history"]]
             self._pending = {}
-            for epoch, rank, metrics in pending or []:
+            for epoch, rank, metrics in reports.get("pending") or []:
                 self._pending.setdefault(int(epoch), {})[int(rank)] = dict(metrics)
 
     def close_abandoned(self, unreported: list[tuple[int, int]]) -> None:

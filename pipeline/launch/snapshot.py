@@ -6,20 +6,27 @@ class SnapshotNotReady(Exception):
     """The PS is ahead of the epoch reports: a rank stepped past an epoch end and has not reported it yet."""
 
 
+def epochs_left_unreported(state: dict, reports: dict, consistency, world_size: int, steps_per_epoch: int,
+                           epochs: int) -> list[tuple[int, int]]:
+    """(rank, epoch) pairs the ranks resumed from PS ``state`` would start after, but that ``reports``
+    (``EpochProgress.reports()``) does not hold: they would never be reported again."""
+    from pipeline.launch.progress import unreported_epochs
+    from pipeline.ps.modes import resume_step
+
+    total = steps_per_epoch * epochs
+    steps = {rank: resume_step(consistency, state, rank, total) for rank in range(world_size)}
+    return unreported_epochs(reports, steps, steps_per_epoch)
+
+
 def take_snapshot(server, progress, consistency, steps_per_epoch: int, epochs: int, /, **meta) -> dict:
     """``{"step", "ps", "history", "pending", **meta}``, or SnapshotNotReady (retry in a moment).
 
     Ranks report an epoch (loss, validation) just after its last step, so a snapshot taken at an epoch
     boundary would otherwise lack that epoch: the resumed ranks start after it and never report it again.
     """
-    from pipeline.launch.progress import unreported_epochs
-    from pipeline.ps.modes import resume_step
-
     reports = progress.reports()  # first: every report in it was sent before the state below was taken
     state = server.state_dict()
-    total = steps_per_epoch * epochs
-    steps = {rank: resume_step(consistency, state, rank, total) for rank in range(progress.world_size)}
-    missing = unreported_epochs(reports, steps, steps_per_epoch)
+    missing = epochs_left_unreported(state, reports, consistency, progress.world_size, steps_per_epoch, epochs)
     if missing:
         rank, epoch = missing[0]
         raise SnapshotNotReady(f"the PS is at step {state['version']} but rank {rank} has not reported epoch "

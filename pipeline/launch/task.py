@@ -88,8 +88,7 @@ def make_task_fn(plans: list[dict], ps_host: str | None, ps_port: int | None, se
             if host_ps is not None:
                 host_ps.wait_for_peers()
                 report = host_ps.report(failed=not row["ok"])
-                # Rank 0's own outcome is in its row; the server may not have seen its disconnect yet.
-                stuck = [r for r in host_ps.stuck_ranks() if r != 0]
+                stuck = host_ps.stuck_ranks()
                 if stuck:
                     from pipeline.launch.task_ps import failure_error
 

@@ -96,7 +96,7 @@ class HostedPS:
                 topk_ratio=spec.topk_ratio, shards=spec.shards))
             if state is not None:
                 self.server.load_state_dict(state["ps"])
-                self.progress.restore(state["history"], state.get("pending"))
+                self.progress.restore(state)
                 log.info("task PS resuming from %s at step %d", spec.resume_path, self.server.version)
             self.checkpointer = self._stack.enter_context(Checkpointer(
                 store, self._snapshot, lambda: self.server.version, spec.checkpoint_every,
@@ -167,9 +167,11 @@ class HostedPS:
         }
 
     def stuck_ranks(self) -> list[int]:
-        """Ranks that neither finished nor reported a failure (e.g. a task blocked in a hung read)."""
+        """Ranks that neither finished nor reported a failure (e.g. a task blocked in a hung read). Rank 0
+        is never among them: its own outcome is in its row, and the server may not have seen its
+        disconnect yet."""
         done = self.server.finished_ranks | set(self.server.failures)
-        return sorted(set(range(self.spec.world_size)) - done)
+        return sorted(set(range(1, self.spec.world_size)) - done)
 
     def parameters_bytes(self) -> bytes:
         return self.server.parameters().contiguous().numpy().tobytes()

@@ -18,8 +18,8 @@ from typing import Callable, Optional
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError, PSError, WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.preflight import check_barrier_slots, check_result_size
-from pipeline.launch.progress import EpochProgress, StepProgress, unreported_epochs
-from pipeline.launch.snapshot import SnapshotNotReady, take_snapshot
+from pipeline.launch.progress import EpochProgress, StepProgress
+from pipeline.launch.snapshot import SnapshotNotReady, epochs_left_unreported, take_snapshot
 from pipeline.launch.task import RESULT_SCHEMA, make_task_fn, merge_chunks
 from pipeline.launch.task_ps import decode_failure_report
 from pipeline.launch.watchdog import StageWatchdog
@@ -206,7 +206,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     progress = EpochProgress(workers, cfg.train.epochs, epoch_done)
     if cfg.ps.placement == "task":
         if resumed is not None:
-            progress.restore(resumed["history"], resumed.get("pending"))  # epochs the resumed run logged
+            progress.restore(resumed)  # epochs the resumed run logged
         return _train_with_task_ps(spark, cfg, manifest, spec, steps, store, latest if resumed else None,
                                    initial_parameters, initial.numel(), progress, expected, checkpoint_extra)
     host = _ps_host(spark, cfg)
@@ -230,7 +230,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     with ps as server:
         if resumed is not None:
             server.load_state_dict(resumed["ps"])
-            progress.restore(resumed["history"], resumed.get("pending"))
+            progress.restore(resumed)
             log.info("resuming from checkpoint %s at step %d of %d", latest.path, server.version, expected)
 
         def snapshot() -> dict:
@@ -310,16 +310,13 @@ def _close_abandoned_epochs(server, progress: EpochProgress, cfg: PipelineConfig
     (the retried rank starts after them and will not report them)."""
     if cfg.train.backend == "allreduce":
         return  # every rank starts over
-    from pipeline.ps.modes import resume_step
-
     try:
-        state, consistency = server.state_dict(), _consistency(cfg)
+        state = server.state_dict()
     except PSError:  # bookkeeping only: the retry itself does not depend on it
         log.warning("could not read the PS state to settle the epochs of the failed attempt", exc_info=True)
         return
-    resume = {rank: resume_step(consistency, state, rank, steps * cfg.train.epochs)
-              for rank in range(progress.world_size)}
-    progress.close_abandoned(unreported_epochs(progress.reports(), resume, steps))
+    progress.close_abandoned(epochs_left_unreported(state, progress.reports(), _consistency(cfg), progress.world_size,
+                                                    steps, cfg.train.epochs))
 
 
 def _give_up_after_last_attempt(failure: WorkerTrainingFailedError, attempt: int, max_attempts: int) -> None:
@@ -553,7 +550,7 @@ class Checkpointer:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
-    def save(self, why: str) -> None:
+    def save(self, why: str, periodic: bool = False) -> None:
         """Best effort: a failing checkpoint write is logged, never allowed to stop training."""
         if not self._enabled:
             return
@@ -566,15 +563,14 @@ class Checkpointer:
                 log.info("checkpoint at step %d (%s): %s", state["step"], why, info.path)
             except SnapshotNotReady as why_not:
                 # Periodic saves retry at the next poll; a skipped request leaves the previous checkpoint.
-                log.log(logging.DEBUG if why.startswith("every") else logging.INFO,
-                        "checkpoint (%s) skipped: %s", why, why_not)
+                log.log(logging.DEBUG if periodic else logging.INFO, "checkpoint (%s) skipped: %s", why, why_not)
             except Exception:
                 log.warning("could not write a checkpoint (%s) to %s", why, self._store.directory, exc_info=True)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s):
             if self._version() - self._last >= self._every:
-                self.save(f"every {self._every} steps")
+                self.save(f"every {self._every} steps", periodic=True)
 
 
 def _interrupt(spark, tag: str) -> None:

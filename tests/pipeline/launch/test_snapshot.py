@@ -83,7 +83,7 @@ def test_reports_of_a_rank_ahead_travel_with_the_snapshot_and_complete_after_a_r
     # The resumed run: rank 0 starts in epoch 1 and never reports epoch 0 again; rank 1's report completes it.
     rows = []
     resumed = EpochProgress(2, EPOCHS, rows.append)
-    resumed.restore(state["history"], state["pending"])
+    resumed.restore(state)
     resumed(1, epoch_report(0, 2, samples=24))
     [row] = rows
     assert row["epoch"] == 0 and row["samples_per_s"] == 32.0  # both ranks' samples in the epoch's row

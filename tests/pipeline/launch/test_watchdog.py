@@ -13,14 +13,19 @@ def _server(secret, world=2):
                            host="127.0.0.1", timeout_s=5)
 
 
+def _cancelling_watchdog(server, **deadlines):
+    """A watchdog over two ranks, and the event its cancel sets."""
+    cancelled = threading.Event()
+    return StageWatchdog(server, 2, grace_s=5, cancel=lambda reason: cancelled.set(), **deadlines), cancelled
+
+
 def test_ranks_that_never_connect_cancel_the_stage_naming_them():
     secret = new_secret()
-    cancelled = threading.Event()
     with _server(secret) as server:
         with PSClient(*server.address, rank=0, secret=secret, timeout_s=5) as client:
             client.connect()
-            with StageWatchdog(server, 2, connect_timeout_s=0.5, grace_s=5, cancel=lambda r: cancelled.set(),
-                               poll_s=0.05) as watchdog:
+            watchdog, cancelled = _cancelling_watchdog(server, connect_timeout_s=0.5, poll_s=0.05)
+            with watchdog:
                 assert cancelled.wait(5)
             assert "rank(s) [1] did not connect" in watchdog.reason and "ps.timeout_s" in watchdog.reason
             assert server.aborted
@@ -28,10 +33,9 @@ def test_ranks_that_never_connect_cancel_the_stage_naming_them():
 
 def test_the_connect_deadline_counts_from_the_first_rank_that_connects():
     secret = new_secret()
-    cancelled = threading.Event()
     with _server(secret) as server:
-        with StageWatchdog(server, 2, connect_timeout_s=0.2, grace_s=5, cancel=lambda r: cancelled.set(),
-                           poll_s=0.02, first_connect_s=30) as watchdog:
+        watchdog, cancelled = _cancelling_watchdog(server, connect_timeout_s=0.2, poll_s=0.02, first_connect_s=30)
+        with watchdog:
             # Far past connect_timeout_s with nobody connected (Spark still scheduling): no cancel,
             # the 30 s first-connect floor applies.
             assert not cancelled.wait(0.6)
@@ -43,10 +47,9 @@ def test_the_connect_deadline_counts_from_the_first_rank_that_connects():
 
 def test_a_stage_where_no_rank_ever_connects_is_cancelled_after_the_first_connect_floor():
     secret = new_secret()
-    cancelled = threading.Event()
     with _server(secret) as server:
-        with StageWatchdog(server, 2, connect_timeout_s=0.1, grace_s=5, cancel=lambda r: cancelled.set(),
-                           poll_s=0.02, first_connect_s=0.3) as watchdog:
+        watchdog, cancelled = _cancelling_watchdog(server, connect_timeout_s=0.1, poll_s=0.02, first_connect_s=0.3)
+        with watchdog:
             assert cancelled.wait(5)
         assert "no rank connected to the parameter server within 0.3s" in watchdog.reason
         assert server.aborted
