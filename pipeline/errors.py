@@ -40,6 +40,23 @@ class AuthenticationError(ProtocolError):
     """The HMAC challenge-response failed: the peer does not hold this run's secret."""
 
 
+class NonFiniteError(PSError):
+    """A loss or gradient held NaN/Inf. A retry would replay the same numbers, so it is not retried."""
+
+
+class ModelInputError(ShardlineError):
+    """The model (built-in or a model.factory's) raised on its input batch; a retry would too."""
+
+
+# Failures a retry cannot cure: the same config, data and model fail the same way again.
+NOT_RETRYABLE = (ConfigError, DataError, NonFiniteError, ModelInputError)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether another barrier attempt could succeed where this failure happened."""
+    return not isinstance(exc, NOT_RETRYABLE)
+
+
 @dataclass(frozen=True)
 class WorkerFailure:
     """What one failed worker reported (or what the driver learned about it)."""

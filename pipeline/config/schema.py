@@ -268,13 +268,27 @@ class PSConfig(_Section):
     shards: int = Field(1, ge=1, le=64)
     # Address the PS binds to; null means spark.driver.host (never 0.0.0.0 unless set explicitly).
     host: Optional[str] = Field(None, min_length=1)
-    # Deadline of every PS wait (a step's gradients from all workers, a pull, a connect).
+    # The default deadline of every wait whose own timeouts.* key is unset (a step's gradients from all
+    # workers, a pull, a connect, a stage link).
     timeout_s: float = Field(120.0, gt=0)
     # Where the PS runs: `driver` (the process holding the SparkSession: the driver, or a Spark Connect
     # client) or `task` (inside rank 0's barrier task, its address shared with allGather; for clusters
     # whose executors cannot reach the driver/client). Same protocol, modes and checkpoints; with `task`
     # the final parameters come back as result rows and progress is reported after each attempt.
     placement: Literal["driver", "task"] = "driver"
+
+
+class TimeoutsConfig(_Section):
+    """Waits a user tunes apart; each null takes ps.timeout_s. Every timeout error names its own key."""
+
+    # Per-step parameter-server waits: a step's pushes from every rank, a pull, a rank's turn in ssp/average,
+    # and rank 0's wait for its peers to finish when the PS runs in its task.
+    step_s: Optional[float] = Field(None, gt=0)
+    # Rendezvous: ranks connecting to the PS (the stage watchdog's connect deadline), the allreduce
+    # process group, pipeline stage links being accepted.
+    connect_s: Optional[float] = Field(None, gt=0)
+    # Pipeline stage links: activations and activation gradients of one micro-batch.
+    link_s: Optional[float] = Field(None, gt=0)
 
 
 class TrackingConfig(_Section):
@@ -360,6 +374,7 @@ class PipelineConfig(_Section):
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     ps: PSConfig = Field(default_factory=PSConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)

@@ -1,7 +1,85 @@
-"""What one barrier task needs to train, as plain values (it crosses into a Spark closure)."""
+"""What one barrier task needs to train: nested frozen plain-value objects, built once on the driver from
+the validated config (``pipeline.launch.plans``) and handed whole to the part that owns each piece —
+the loader its ``LoaderPlan``, the fault hooks their ``FaultPlan``, a pipeline stage its ``StagePlan``.
+They cross into the Spark task closure as they are (cloudpickle of frozen dataclasses): no dict round trip.
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pipeline.models import ModelSpec
+from pipeline.ps import OptimizerSpec
+from pipeline.wire.deadline import CONNECT_KEY, LINK_KEY, STEP_KEY, Timeout
+
+
+@dataclass(frozen=True)
+class LoaderPlan:
+    """The streaming loader's settings (``data.*``, ``train.prefetch``) and this shard's row-group sizes."""
+
+    reader: str = "arrow"
+    shuffle: bool = True
+    shuffle_buffer_rows: int = 65_536
+    reader_threads: int = 1
+    prefetch: int = 2
+    # Rows of each row group of each train file (from the manifest), so the loader plans without a read.
+    row_group_rows: Optional[tuple[tuple[int, ...], ...]] = None
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The ``faults.*`` hooks of this attempt (all off unless the attempt is one they apply to)."""
+
+    fail_rank: Optional[int] = None
+    fail_step: int = 0
+    fail_in_rendezvous: bool = False
+    kill_rank: Optional[int] = None
+    kill_step: int = 0
+    delay_rank: Optional[int] = None
+    delay_ms: float = 0.0
+    delay_step: int = 0
+    # Test hook: one rank sleeps slow_s before every step (e.g. to exercise ssp's staleness bound).
+    slow_rank: Optional[int] = None
+    slow_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where a task sits in the data x pipeline grid (``parallelism.pipeline > 1``)."""
+
+    stage: int
+    stages: int
+    replica: int
+    replicas: int
+    micro_batches: int = 1
+    cuts: Optional[tuple[int, ...]] = None
+    # This stage's parameter server (the driver hosts one per stage), or None: the plan's PS address.
+    ps: Optional[tuple[str, int]] = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def describe(self) -> str:
+        return f"stage {self.stage} of {self.stages} (replica {self.replica})"
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """The waits a worker makes, each with the key that sets it (``timeouts.*``, else ``ps.timeout_s``)."""
+
+    step: Timeout = field(default_factory=lambda: Timeout.of(120.0, STEP_KEY))
+    connect: Timeout = field(default_factory=lambda: Timeout.of(120.0, CONNECT_KEY))
+    link: Timeout = field(default_factory=lambda: Timeout.of(120.0, LINK_KEY))
+
+    @classmethod
+    def all(cls, seconds: float) -> "Deadlines":
+        """Every wait ``seconds`` long, as when only ``ps.timeout_s`` is set."""
+        return cls(Timeout.of(seconds, STEP_KEY), Timeout.of(seconds, CONNECT_KEY), Timeout.of(seconds, LINK_KEY))
 
 
 @dataclass(frozen=True)
@@ -12,28 +90,24 @@ class WorkerPlan:
     train_files: tuple[str, ...]
     # Only rank 0 evaluates the validation split at the end of each epoch.
     validation_files: tuple[str, ...]
-    model: dict  # ModelSpec.to_dict()
-    task: str
-    num_features: int
+    model: ModelSpec
     features_field: str
     label_field: str
     epochs: int
     steps_per_epoch: int
     seed: int
-    prefetch: int
-    ps_timeout_s: float
-    extra: dict = field(default_factory=dict)
-    # OptimizerSpec fields: the local optimizer of ps.mode=average and of the allreduce backend (the
-    # other modes step on the server).
-    optimizer: dict = field(default_factory=dict)
+    loader: LoaderPlan = field(default_factory=LoaderPlan)
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    # The local optimizer of ps.mode=average and of the allreduce backend (the other modes step on the server).
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     backend: str = "ps"  # train.backend: ps | allreduce
+    stage: Optional[StagePlan] = None  # set only with parallelism.pipeline > 1
+    deadlines: Deadlines = field(default_factory=Deadlines)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @property
+    def task(self) -> str:
+        return self.model.task
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "WorkerPlan":
-        data = dict(data)
-        data["train_files"] = tuple(data["train_files"])
-        data["validation_files"] = tuple(data["validation_files"])
-        return cls(**data)
+    @property
+    def num_features(self) -> int:
+        return self.model.num_features
