@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.errors import AuthenticationError, PSError, PSTimeoutError, ProtocolError
+from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError
 from pipeline.ps.compression import Compressor
 from pipeline.ps.protocol import (
     U32_MAX,
@@ -447,6 +447,8 @@ class PSClient:
             return PSTimeoutError(text)
         if body.get("kind") == "protocol":
             return ProtocolError(text)
+        if body.get("kind") == "nonfinite":  # the same numbers would fail again: not retried
+            return NonFiniteError(text)
         return PSError(text)
 
     def _translate(self, exc: Exception, link: _Link, what: str, wait_s: float) -> PSError:
