@@ -8,16 +8,24 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Union
+
+from pipeline.wire.deadline import CONNECT_KEY, Timeout
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Rendezvous:
+    """Where a process group meets, and how long joining may take (``timeouts.connect_s``; a bare number
+    is taken as that key following ``ps.timeout_s``)."""
+
     host: str
     port: int
-    timeout_s: float
+    timeout: Union[Timeout, float]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "timeout", Timeout.of(self.timeout, CONNECT_KEY))
 
 
 def _fresh_group_names() -> None:
@@ -42,13 +50,14 @@ def process_group(rendezvous: Rendezvous, rank: int, world_size: int, device: st
     backend = "nccl" if device.startswith("cuda") else "gloo"
     address = f"tcp://{rendezvous.host}:{rendezvous.port}"
     _fresh_group_names()
+    timeout = rendezvous.timeout
     try:
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=rendezvous.timeout_s))
+                                timeout=timedelta(seconds=timeout.seconds))
     except Exception as exc:
         raise RuntimeError(f"rank {rank}: the allreduce rendezvous at {address} ({backend}, {world_size} ranks) "
-                           f"failed within {rendezvous.timeout_s:g}s: {type(exc).__name__}: {exc}; check that "
-                           "executors can reach each other, or raise ps.timeout_s") from exc
+                           f"failed within {timeout.seconds:g}s: {type(exc).__name__}: {exc}; check that "
+                           f"executors can reach each other, or {timeout.hint}") from exc
     log.debug("rank %d joined the %s process group at %s", rank, backend, address)
     try:
         yield backend

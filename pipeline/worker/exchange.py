@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # keep torch and the client out of module import time
     import torch
 
-    from pipeline.ps import PSClient, ServerInfo
+    from pipeline.ps import OptimizerSpec, PSClient, ServerInfo
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Exchange:
     does this mode's PS work for one step and returns the next step number."""
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: dict) -> None:
+                 optimizer: OptimizerSpec) -> None:
         import torch
 
         self.client = client
@@ -144,12 +144,11 @@ class AverageExchange(Exchange):
     ``local - last average`` and continue from the new average. Local optimizer state is kept."""
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: dict) -> None:
+                 optimizer: OptimizerSpec) -> None:
         super().__init__(client, info, model, total_steps, optimizer)
-        from pipeline.ps.optim import OptimizerSpec, build_optimizer
+        from pipeline.ps.optim import build_optimizer
 
-        spec = OptimizerSpec(**{**optimizer, "betas": tuple(optimizer.get("betas", (0.9, 0.999)))})
-        self.optimizer = build_optimizer(spec, list(model.parameters()))
+        self.optimizer = build_optimizer(optimizer, list(model.parameters()))
         self.base = self.grad.clone()
         self.local_steps = 0
         self.round = 0
@@ -181,12 +180,11 @@ class AllreduceExchange(Exchange):
     the replicas stay identical. The PS connection only carries metrics and failures."""
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: dict) -> None:
+                 optimizer: OptimizerSpec) -> None:
         super().__init__(client, info, model, total_steps, optimizer)
-        from pipeline.ps.optim import OptimizerSpec, build_optimizer
+        from pipeline.ps.optim import build_optimizer
 
-        spec = OptimizerSpec(**{**optimizer, "betas": tuple(optimizer.get("betas", (0.9, 0.999)))})
-        self.optimizer = build_optimizer(spec, list(model.parameters()))
+        self.optimizer = build_optimizer(optimizer, list(model.parameters()))
 
     def start(self) -> int:
         # Every replica starts from the server's initial parameters (DDP also broadcasts rank 0's).
@@ -216,7 +214,7 @@ EXCHANGES: dict[str, type[Exchange]] = {"sync": SyncExchange, "ssp": SspExchange
                                         "average": AverageExchange}
 
 
-def make_exchange(client: PSClient, info: ServerInfo, model, total_steps: int, optimizer: dict,
+def make_exchange(client: PSClient, info: ServerInfo, model, total_steps: int, optimizer: OptimizerSpec,
                   backend: str = "ps") -> Exchange:
     if backend == "allreduce":
         return AllreduceExchange(client, info, model, total_steps, optimizer)

@@ -15,6 +15,7 @@ from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
 from pipeline.ps.modes import Consistency, expected_version
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault
+from pipeline.worker.plan import Deadlines, FaultPlan, LoaderPlan
 
 
 def _shard(path, rows, seed):
@@ -27,14 +28,14 @@ def _shard(path, rows, seed):
     return str(path)
 
 
-def _plans(tmp_path, world=2, epochs=3, steps=8, extra=None):
-    spec = ModelSpec(kind="mlp", num_features=4, num_outputs=2, task="classification", hidden=(8,))
+def _plans(tmp_path, world=2, epochs=3, steps=8, faults=None, spec=None):
+    spec = spec or ModelSpec(kind="mlp", num_features=4, num_outputs=2, task="classification", hidden=(8,))
     return spec, [WorkerPlan(rank=r, world_size=world, generation=1,
                              train_files=(_shard(tmp_path / f"s{r}.parquet", 64, r),),
                              validation_files=(_shard(tmp_path / "val.parquet", 32, 99),) if r == 0 else (),
-                             model=spec.to_dict(), task="classification", num_features=4,
-                             features_field="features", label_field="label", epochs=epochs, steps_per_epoch=steps,
-                             seed=0, prefetch=2, ps_timeout_s=10, extra=extra or {})
+                             model=spec, features_field="features", label_field="label", epochs=epochs,
+                             steps_per_epoch=steps, seed=0, loader=LoaderPlan(prefetch=2),
+                             deadlines=Deadlines.all(10), faults=faults or FaultPlan())
                   for r in range(world)]
 
 
@@ -79,7 +80,7 @@ def test_two_ranks_train_in_lockstep_and_report_epochs(tmp_path):
 
 
 def test_a_failing_rank_releases_its_peer_with_its_rank_named(tmp_path):
-    spec, plans = _plans(tmp_path, extra={"faults": {"fail_rank": 0, "fail_step": 2}})
+    spec, plans = _plans(tmp_path, faults=FaultPlan(fail_rank=0, fail_step=2))
     secret = new_secret()
     with ParameterServer(flat_parameters(build_model(spec)), world_size=2, secret=secret,
                          optimizer=OptimizerSpec(), host="127.0.0.1", timeout_s=10) as server:
@@ -95,10 +96,10 @@ def test_a_failing_rank_releases_its_peer_with_its_rank_named(tmp_path):
         assert server.version == 2
 
 
-def _train_mode(tmp_path, consistency, *, compression="none", extra=None, epochs=3, shards=1):
-    spec, plans = _plans(tmp_path, epochs=epochs, extra=extra)
+def _train_mode(tmp_path, consistency, *, compression="none", faults=None, epochs=3, shards=1):
+    spec, plans = _plans(tmp_path, epochs=epochs, faults=faults)
     optimizer = OptimizerSpec(lr=0.1, momentum=0.9)
-    plans = [dataclasses.replace(p, optimizer=dataclasses.asdict(optimizer)) for p in plans]
+    plans = [dataclasses.replace(p, optimizer=optimizer) for p in plans]
     torch.manual_seed(0)
     initial = flat_parameters(build_model(spec))
     reports = []
@@ -159,7 +160,7 @@ def test_every_mode_trains_through_the_same_loop(tmp_path, mode):
 
 def test_ssp_with_a_slow_rank_keeps_the_fast_one_within_the_bound(tmp_path):
     consistency = Consistency("ssp", staleness=2)
-    *_, version, stats, reports = _train_mode(tmp_path, consistency, extra={"slow_rank": 1, "slow_s": 0.02},
+    *_, version, stats, reports = _train_mode(tmp_path, consistency, faults=FaultPlan(slow_rank=1, slow_s=0.02),
                                               epochs=2)
     assert version == 2 * 8
     assert max(m["staleness_max"] for _, m in reports) <= 2
@@ -194,7 +195,7 @@ def test_every_mode_and_compression_trains_with_three_shards(tmp_path, mode, com
 
 
 def test_a_failing_rank_is_named_with_two_shards(tmp_path):
-    spec, plans = _plans(tmp_path, extra={"faults": {"fail_rank": 1, "fail_step": 3}})
+    spec, plans = _plans(tmp_path, faults=FaultPlan(fail_rank=1, fail_step=3))
     secret = new_secret()
     with ParameterServer(flat_parameters(build_model(spec)), world_size=2, secret=secret, shards=2,
                          optimizer=OptimizerSpec(), host="127.0.0.1", timeout_s=10) as server:

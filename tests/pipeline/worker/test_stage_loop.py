@@ -17,6 +17,7 @@ from pipeline.ps import OptimizerSpec, new_secret
 from pipeline.ps.staged import StagedParameterServer
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault, make_train_loader
+from pipeline.worker.plan import Deadlines, FaultPlan, LoaderPlan, StagePlan
 from pipeline.worker.stage_loop import StageWiring
 
 SPEC = ModelSpec(kind="mlp", num_features=4, num_outputs=3, task="classification", hidden=(16, 12))
@@ -38,14 +39,14 @@ def _plans(tmp_path, replicas, stages, micro_batches, epochs=2, steps=8, faults=
     plans = []
     for rank in range(replicas * stages):
         replica, stage = divmod(rank, stages)
-        pipeline = {"stage": stage, "stages": stages, "replica": replica, "replicas": replicas,
-                    "micro_batches": micro_batches, "cuts": None}
+        grid = StagePlan(stage=stage, stages=stages, replica=replica, replicas=replicas,
+                         micro_batches=micro_batches, cuts=None)
         plans.append(WorkerPlan(
             rank=rank, world_size=replicas * stages, generation=1,
             train_files=(shards[replica],) if stage in (0, stages - 1) else (), validation_files=(),
-            model=SPEC.to_dict(), task="classification", num_features=4, features_field="features",
-            label_field="label", epochs=epochs, steps_per_epoch=steps, seed=0, prefetch=2, ps_timeout_s=10,
-            extra={"pipeline": pipeline, "faults": faults or {}}, optimizer=dataclasses.asdict(OPTIMIZER)))
+            model=SPEC, features_field="features", label_field="label", epochs=epochs, steps_per_epoch=steps,
+            seed=0, loader=LoaderPlan(prefetch=2), deadlines=Deadlines.all(10), stage=grid,
+            faults=faults or FaultPlan(), optimizer=OPTIMIZER))
     return plans
 
 
@@ -126,7 +127,7 @@ def test_each_stage_server_can_itself_be_sharded(tmp_path):
 
 
 def test_a_failing_stage_is_the_root_cause_and_its_neighbours_stop(tmp_path):
-    plans = _plans(tmp_path, 1, 3, 2, faults={"fail_rank": 1, "fail_step": 3})
+    plans = _plans(tmp_path, 1, 3, 2, faults=FaultPlan(fail_rank=1, fail_step=3))
     _, _, version, roots, _, errors = _train(plans, 3, 1)
     assert isinstance(errors[1], InjectedFault)
     assert list(roots) == [1]  # not the link errors stages 0 and 2 saw as a consequence
