@@ -1,0 +1,204 @@
+"""Failures a retry cannot cure come out of the worker typed (NonFiniteError, ModelInputError), flat and
+staged, with ps and allreduce; a broken process group or link keeps its own (retryable) type."""
+import inspect
+import socket
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.errors import ModelInputError, NonFiniteError, PSError, PSTimeoutError, is_retryable
+from pipeline.models import ModelSpec, build_model, flat_parameters
+from pipeline.parallel.link import StageListener
+from pipeline.parallel.stages import stage_slices
+from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
+from pipeline.ps.staged import StagedParameterServer
+from pipeline.wire.deadline import STEP_KEY, Timeout
+from pipeline.worker import WorkerPlan, run
+from pipeline.worker.distributed import Rendezvous
+from pipeline.worker.guards import keeps_its_type
+from pipeline.worker.plan import Deadlines, LoaderPlan, StagePlan
+from pipeline.worker.stage_loop import StageLinkError, StageWiring, model_stages
+
+OPTIMIZER = OptimizerSpec(lr=0.1)
+
+
+@pytest.fixture(autouse=True)
+def _user_models(monkeypatch, request):
+    # model.factory "user_models:..." imports tests/pipeline/models/user_models.py as a top-level module.
+    monkeypatch.syspath_prepend(str(request.path.parents[1] / "models"))
+
+
+def _shard(path, rows=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    features = pa.ListArray.from_arrays(pa.array(np.arange(0, rows * 4 + 1, 4, dtype=np.int32)),
+                                        pa.array(x.reshape(-1)))
+    pq.write_table(pa.table({"features": features, "label": y}), path, row_group_size=16)
+    return str(path)
+
+
+def _spec(factory):
+    return ModelSpec(kind="factory", num_features=4, num_outputs=2, task="classification",
+                     factory=f"user_models:{factory}")
+
+
+def _plan(tmp_path, spec, rank, world, *, backend="ps", stage=None):
+    return WorkerPlan(rank=rank, world_size=world, generation=1,
+                      train_files=(_shard(tmp_path / f"s{rank}.parquet", seed=rank),), validation_files=(),
+                      model=spec, features_field="features", label_field="label", epochs=2, steps_per_epoch=4,
+                      seed=0, loader=LoaderPlan(prefetch=2), optimizer=OPTIMIZER, backend=backend, stage=stage,
+                      deadlines=Deadlines.all(10))
+
+
+def _server_kwargs():
+    """The PS's settings in whichever form its constructor takes (keywords, or one PSSettings)."""
+    if "settings" in inspect.signature(ParameterServer).parameters:
+        from pipeline.ps.settings import PSSettings
+
+        return {"settings": PSSettings(optimizer=OPTIMIZER, step_timeout=Timeout.of(10, STEP_KEY))}
+    return {"optimizer": OPTIMIZER, "timeout_s": 10}
+
+
+def _in_threads(calls):
+    """Run {rank: callable} in threads; (results, errors) by rank."""
+    results, errors = {}, {}
+
+    def target(rank, call):
+        try:
+            results[rank] = call()
+        except Exception as exc:  # collected for the assertions
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=target, args=item) for item in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    return results, errors
+
+
+def _train_flat(tmp_path, factory, world=2):
+    spec = _spec(factory)
+    secret = new_secret()
+    with ParameterServer(flat_parameters(build_model(spec)), world_size=world, secret=secret, host="127.0.0.1",
+                         **_server_kwargs()) as server:
+        plans = [_plan(tmp_path, spec, r, world) for r in range(world)]
+        _, errors = _in_threads({p.rank: (lambda p=p: run(p, *server.address, secret)) for p in plans})
+        return errors, server.version
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_allreduce(tmp_path, factory):
+    """One rank of train.backend=allreduce (a one-rank gloo group: DDP wraps the model as with many)."""
+    spec = _spec(factory)
+    secret = new_secret()
+    with ParameterServer(flat_parameters(build_model(spec)), world_size=1, secret=secret, host="127.0.0.1",
+                         **_server_kwargs()) as server:
+        plan = _plan(tmp_path, spec, 0, 1, backend="allreduce")
+        with pytest.raises(Exception) as caught:
+            run(plan, *server.address, secret,
+                rendezvous=Rendezvous("127.0.0.1", _free_port(), plan.deadlines.connect))
+        return caught.value
+
+
+def _train_staged(tmp_path, factory, stages=2):
+    spec = _spec(factory)
+    torch.manual_seed(0)
+    initial = flat_parameters(build_model(spec))
+    ranges = stage_slices(model_stages(build_model(spec), stages))
+    secret = new_secret()
+    plans = [_plan(tmp_path, spec, s, stages, stage=StagePlan(stage=s, stages=stages, replica=0, replicas=1,
+                                                              micro_batches=2)) for s in range(stages)]
+    listeners = {s: StageListener("127.0.0.1", secret, 1, stage=s, rank=s, expect_rank=s - 1, timeout_s=10)
+                 for s in range(1, stages)}
+    kwargs = _server_kwargs()
+    with StagedParameterServer(initial, ranges, replicas=1, secret=secret, host="127.0.0.1", **kwargs) as server:
+        def call(plan):
+            s = plan.rank
+            wiring = StageWiring(listeners.get(s), listeners[s + 1].address if s < stages - 1 else None)
+            return lambda: run(plan, *server.addresses[s], secret, wiring=wiring)
+
+        _, errors = _in_threads({p.rank: call(p) for p in plans})
+        return errors, server.version
+
+
+# -- NaN/Inf losses --------------------------------------------------------------------------------
+def test_a_nan_loss_raises_non_finite_error_naming_rank_step_epoch_and_the_fix(tmp_path):
+    errors, version = _train_flat(tmp_path, "nan_mlp")
+    assert isinstance(errors[0], NonFiniteError)
+    text = str(errors[0])
+    assert "rank 0" in text and "step 0" in text and "epoch 0" in text
+    assert "train.lr" in text and "data" in text
+    assert not is_retryable(errors[0])
+    # rank 1 hit the same NaN or was stopped by rank 0's failure; either way no NaN gradient was applied
+    assert isinstance(errors[1], PSError)
+    assert version == 0
+
+
+def test_a_nan_loss_raises_non_finite_error_with_allreduce(tmp_path):
+    error = _train_allreduce(tmp_path, "nan_mlp")
+    assert isinstance(error, NonFiniteError), error
+    assert "rank 0" in str(error) and "step 0" in str(error)
+
+
+def test_a_nan_loss_on_the_last_pipeline_stage_raises_non_finite_error(tmp_path):
+    errors, _ = _train_staged(tmp_path, "nan_stages")
+    assert isinstance(errors[1], NonFiniteError), errors
+    assert "stage 1 of 2" in str(errors[1]) and "step 0" in str(errors[1])
+    assert isinstance(errors[0], (StageLinkError, PSError))  # the neighbour stopped as a consequence
+
+
+# -- the model raising on its batch ----------------------------------------------------------------
+def test_a_model_raising_on_its_batch_raises_model_input_error(tmp_path):
+    errors, version = _train_flat(tmp_path, "rejecting_mlp")
+    error = errors[0]
+    assert isinstance(error, ModelInputError), errors
+    text = str(error)
+    assert "rank 0" in text and "step 0" in text
+    assert "features (16, 4) float32" in text and "labels (16,) int64" in text
+    assert "model.factory='user_models:rejecting_mlp'" in text
+    assert "expected 7 input features, got 2" in text and "fix the model" in text
+    assert isinstance(error.__cause__, ValueError)
+    assert not is_retryable(error)
+    assert version == 0
+
+
+def test_a_model_raising_on_its_batch_raises_model_input_error_with_allreduce(tmp_path):
+    error = _train_allreduce(tmp_path, "rejecting_mlp")
+    assert isinstance(error, ModelInputError), error
+    assert isinstance(error.__cause__, ValueError)
+
+
+def test_a_pipeline_stage_raising_on_its_activations_raises_model_input_error(tmp_path):
+    errors, _ = _train_staged(tmp_path, "rejecting_stages")
+    error = errors[1]
+    assert isinstance(error, ModelInputError), errors
+    assert "stage 1 of 2" in str(error) and "activations from stage 0" in str(error)
+    assert "labels (16,) int64" in str(error)
+    assert isinstance(errors[0], (StageLinkError, PSError))  # stage 0 was stopped, not blamed
+
+
+@pytest.mark.parametrize("exc", [PSError("rank 1 failed"), PSTimeoutError("timed out"), OSError("reset"),
+                                 ConnectionResetError("peer"), torch.distributed.DistBackendError("nccl"),
+                                 RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+                                              "closed by peer [127.0.0.1]:1234"), MemoryError()])
+def test_errors_of_a_broken_group_or_link_keep_their_type(exc):
+    assert keeps_its_type(exc)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x4 and 7x2)"),
+                                 ValueError("bad"), TypeError("forward() takes 1 positional argument"),
+                                 IndexError("Target 5 is out of bounds.")])
+def test_errors_of_the_model_on_its_batch_are_made_model_input_errors(exc):
+    assert not keeps_its_type(exc)
