@@ -11,11 +11,17 @@ import torch
 
 from pipeline.errors import PSError
 from pipeline.models import ModelSpec, build_model, flat_parameters
-from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
+from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
 from pipeline.ps.modes import Consistency, expected_version
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault
 from pipeline.worker.plan import Deadlines, FaultPlan, LoaderPlan
+from pipeline.wire.deadline import STEP_KEY, Timeout
+
+
+def _settings(optimizer, **options) -> PSSettings:
+    """The servers of these tests: a 10 s step deadline as a bare ps.timeout_s gives it."""
+    return PSSettings(optimizer=optimizer, step_timeout=Timeout.of(10, STEP_KEY), **options)
 
 
 def _shard(path, rows, seed):
@@ -28,8 +34,8 @@ def _shard(path, rows, seed):
     return str(path)
 
 
-def _plans(tmp_path, world=2, epochs=3, steps=8, faults=None, spec=None):
-    spec = spec or ModelSpec(kind="mlp", num_features=4, num_outputs=2, task="classification", hidden=(8,))
+def _plans(tmp_path, world=2, epochs=3, steps=8, faults=None):
+    spec = ModelSpec(kind="mlp", num_features=4, num_outputs=2, task="classification", hidden=(8,))
     return spec, [WorkerPlan(rank=r, world_size=world, generation=1,
                              train_files=(_shard(tmp_path / f"s{r}.parquet", 64, r),),
                              validation_files=(_shard(tmp_path / "val.parquet", 32, 99),) if r == 0 else (),
@@ -63,8 +69,8 @@ def test_two_ranks_train_in_lockstep_and_report_epochs(tmp_path):
     initial = flat_parameters(build_model(spec))
     reports = []
     secret = new_secret()
-    with ParameterServer(initial, world_size=2, secret=secret, optimizer=OptimizerSpec(lr=0.1, momentum=0.9),
-                         host="127.0.0.1", timeout_s=10, on_metrics=lambda r, m: reports.append((r, m))) as server:
+    with ParameterServer(initial, _settings(OptimizerSpec(lr=0.1, momentum=0.9)), world_size=2, secret=secret,
+                         host="127.0.0.1", on_metrics=lambda r, m: reports.append((r, m))) as server:
         results, errors = _run_ranks(plans, server, secret)
         assert errors == {}
         assert server.version == 3 * 8
@@ -82,8 +88,8 @@ def test_two_ranks_train_in_lockstep_and_report_epochs(tmp_path):
 def test_a_failing_rank_releases_its_peer_with_its_rank_named(tmp_path):
     spec, plans = _plans(tmp_path, faults=FaultPlan(fail_rank=0, fail_step=2))
     secret = new_secret()
-    with ParameterServer(flat_parameters(build_model(spec)), world_size=2, secret=secret,
-                         optimizer=OptimizerSpec(), host="127.0.0.1", timeout_s=10) as server:
+    with ParameterServer(flat_parameters(build_model(spec)), _settings(OptimizerSpec()), world_size=2,
+                         secret=secret, host="127.0.0.1") as server:
         results, errors = _run_ranks(plans, server, secret)
         assert isinstance(errors[0], InjectedFault)
         assert isinstance(errors[1], PSError) and "rank 0" in str(errors[1])
@@ -104,8 +110,8 @@ def _train_mode(tmp_path, consistency, *, compression="none", faults=None, epoch
     initial = flat_parameters(build_model(spec))
     reports = []
     secret = new_secret()
-    with ParameterServer(initial, world_size=2, secret=secret, optimizer=optimizer, host="127.0.0.1",
-                         timeout_s=10, consistency=consistency, compression=compression, shards=shards,
+    settings = _settings(optimizer, consistency=consistency, compression=compression, shards=shards)
+    with ParameterServer(initial, settings, world_size=2, secret=secret, host="127.0.0.1",
                          on_metrics=lambda r, m: reports.append((r, m))) as server:
         results, errors = _run_ranks(plans, server, secret)
         assert errors == {}
@@ -197,8 +203,8 @@ def test_every_mode_and_compression_trains_with_three_shards(tmp_path, mode, com
 def test_a_failing_rank_is_named_with_two_shards(tmp_path):
     spec, plans = _plans(tmp_path, faults=FaultPlan(fail_rank=1, fail_step=3))
     secret = new_secret()
-    with ParameterServer(flat_parameters(build_model(spec)), world_size=2, secret=secret, shards=2,
-                         optimizer=OptimizerSpec(), host="127.0.0.1", timeout_s=10) as server:
+    with ParameterServer(flat_parameters(build_model(spec)), _settings(OptimizerSpec(), shards=2), world_size=2,
+                         secret=secret, host="127.0.0.1") as server:
         results, errors = _run_ranks(plans, server, secret)
         assert isinstance(errors[1], InjectedFault)
         assert isinstance(errors[0], PSError) and "rank 1" in str(errors[0])
