@@ -62,13 +62,15 @@ def _ps_worker(port: int, rank: int, secret: bytes, steps: int, warmup: int, out
 def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1) -> float:
     import torch
 
-    from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
+    from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
+    from pipeline.wire.deadline import STEP_KEY, Timeout
 
     secret = new_secret()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with ParameterServer(torch.zeros(nbytes // 4), world_size=2, secret=secret, host=HOST, timeout_s=120,
-                         optimizer=OptimizerSpec(name="sgd", lr=0.01), shards=shards) as server:
+    settings = PSSettings(optimizer=OptimizerSpec(name="sgd", lr=0.01), shards=shards,
+                          step_timeout=Timeout.of(120, STEP_KEY))
+    with ParameterServer(torch.zeros(nbytes // 4), settings, world_size=2, secret=secret, host=HOST) as server:
         procs = [ctx.Process(target=_ps_worker, args=(server.address[1], r, secret, steps, warmup, out))
                  for r in range(2)]
         for p in procs:
@@ -180,17 +182,19 @@ def _async_workers(port: int, ranks: list[int], secret: bytes, stop, out: mp.Que
 def async_updates_per_s(workers: int, shards: int, nbytes: int, window_s: float, warmup_s: float = 1.5) -> float:
     import torch
 
-    from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
+    from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
     from pipeline.ps.modes import Consistency
+    from pipeline.wire.deadline import STEP_KEY, Timeout
 
     secret = new_secret()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     stop = ctx.Event()
     startup_s = 120.0  # deadline for spawning 2 processes that import torch and connecting every worker
-    with ParameterServer(torch.zeros(nbytes // 4), world_size=workers, secret=secret, host=HOST, timeout_s=120,
-                         optimizer=OptimizerSpec(name="sgd", lr=0.01), consistency=Consistency("async"),
-                         shards=shards) as server:
+    settings = PSSettings(optimizer=OptimizerSpec(name="sgd", lr=0.01), consistency=Consistency("async"),
+                          shards=shards, step_timeout=Timeout.of(120, STEP_KEY))
+    with ParameterServer(torch.zeros(nbytes // 4), settings, world_size=workers, secret=secret,
+                         host=HOST) as server:
         connect_by = time.time() + startup_s
         procs = [ctx.Process(target=_async_workers, args=(server.address[1], list(range(i, workers, 2)), secret,
                                                            stop, out)) for i in range(2)]

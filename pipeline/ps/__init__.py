@@ -10,6 +10,7 @@ import secrets
 from pipeline.ps.client import PSClient, ServerInfo
 from pipeline.ps.optim import OptimizerSpec
 from pipeline.ps.server import ParameterServer
+from pipeline.ps.settings import PSSettings
 
 SECRET_BYTES = 32
 
@@ -19,4 +20,4 @@ def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
-__all__ = ["OptimizerSpec", "ParameterServer", "PSClient", "ServerInfo", "new_secret"]
+__all__ = ["OptimizerSpec", "ParameterServer", "PSClient", "PSSettings", "ServerInfo", "new_secret"]

@@ -99,6 +99,13 @@ class Compressor:
         return Encoded(memoryview(self._sparse.numpy()).cast("B"), DType.SPARSE_F32, k)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Exact NaN/Inf check at the cost of a sum: NaN/Inf always propagate into the sum, and only
+    an overflowing sum of finite values (vanishingly rare) pays for the elementwise check, which
+    is ~10x slower than a sum on CPU."""
+    return math.isfinite(float(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
 class Contribution:
     """Server-side view of one received push (aliases the receive buffer: use it before the next)."""
 
@@ -120,9 +127,7 @@ class Contribution:
             self.values = torch.frombuffer(payload, dtype=dtype, count=num_params)
 
     def all_finite(self) -> bool:
-        """Exact NaN/Inf check at the cost of a sum (see server._all_finite for the why)."""
-        v = self.values
-        return math.isfinite(float(v.sum(dtype=torch.float32))) or bool(torch.isfinite(v).all())
+        return all_finite(self.values)
 
     def start_sum(self, target: torch.Tensor) -> None:
         """Overwrite ``target`` with ``0 + this push``, bit for bit what ``target.zero_()`` then

@@ -11,10 +11,9 @@ What is shared between shards, and why:
 * The layout (each shard's address and ``[start, end)``) is announced in every shard's WELCOME, so
   a worker needs only the first shard's address (the one ``address`` returns); a shard could equally
   run on another host.
-* Failures (``FailureBoard``): a rank's failure seen by one shard is recorded on every shard with
-  one verdict (root cause or consequence), decided once, in arrival order, so a report names the
-  same root cause whichever shard saw it first, and waiters on every shard are released at once.
-  Shards on other hosts would need this over the wire; today all shards live in this process.
+* Failures (``failures.FailureBoard``): a rank's failure seen by one shard is recorded on every shard
+  with one verdict (root cause or consequence), so waiters on every shard are released at once.
+* Lifecycle and aggregate views (``fanout.ServerGroup``, shared with ``StagedParameterServer``).
 
 The public driver API (``address``, ``version``, ``parameters()``, ``failures``, ``root_failures``,
 ``registered_ranks``, ``aborted``, ``stats``, ``fail()``, ``close()``, ``state_dict()``...) is the
@@ -22,25 +21,29 @@ one of a single server; with ``shards=1`` every call is the one shard's own.
 
 Known limit: a step is applied per shard, not atomically across shards; if a rank dies between its
 pushes to two shards, the shards' versions can end one step apart (``new_generation`` refuses to
-continue then, rather than training on mixed parameters).
+continue then in sync/average mode, rather than training on mixed parameters).
 """
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any, Callable
 
 import torch
 
 from pipeline.errors import PSError, WorkerFailure
+from pipeline.ps.connection import ShardAddress
+from pipeline.ps.failures import FailureBoard, FailureObserver
+from pipeline.ps.fanout import MixedVersionsText, ServerGroup
 from pipeline.ps.modes import Consistency
-from pipeline.ps.optim import OptimizerSpec
-from pipeline.ps.shard import ShardAddress, ShardServer, _all_finite  # noqa: F401  (_all_finite: tests)
+from pipeline.ps.settings import SHARDS_KEY, PSSettings
+from pipeline.ps.shard import ShardServer
 
 logger = logging.getLogger(__name__)
 
-SHARDS_KEY = "ps.shards"
+# Modes whose version counts whole steps of every rank: shards must agree on it.
+_LOCKSTEP_MODES = ("sync", "average")
+_SUMMED_STATS = ("bytes_received", "bytes_sent", "push_payload_bytes", "rejected_connections",
+                 "protocol_errors", "requests_in_flight", "blocked_pulls")
 
 
 def partition(num_params: int, shards: int) -> list[tuple[int, int]]:
@@ -57,97 +60,48 @@ def partition(num_params: int, shards: int) -> list[tuple[int, int]]:
     return ranges
 
 
-class FailureBoard:
-    """One verdict per failed rank for all shards of a server (see module docstring)."""
-
-    def __init__(self, on_failure: Callable[[WorkerFailure, bool], None] | None = None) -> None:
-        self._lock = threading.Lock()
-        self._shards: list[ShardServer] = []
-        self._failed: set[int] = set()
-        self._on_failure = on_failure
-
-    def attach(self, shards: list[ShardServer]) -> None:
-        self._shards = list(shards)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._failed.clear()
-
-    def __call__(self, failure: WorkerFailure, consequence: bool, generation: int) -> None:
-        with self._lock:
-            if failure.rank in self._failed:
-                return
-            # A failure that follows another rank's (on any shard) is that failure's fallout.
-            consequence = consequence or bool(self._failed)
-            self._failed.add(failure.rank)
-        if self._on_failure is not None:  # in arrival order, before any waiter is released
-            try:
-                self._on_failure(failure, consequence)
-            except Exception:  # an observer must not stop the failure from being recorded
-                logger.exception("on_failure callback failed for rank %s", failure.rank)
-        # Never holds the board's lock while taking a shard's lock: no lock-order cycle.
-        for shard in self._shards:
-            shard.mark_failure(failure, consequence, generation)
-
-
 class ParameterServer:
-    """The parameter server of one run. Use as a context manager or call ``start()``/``close()``."""
+    """The parameter server of one run. Use as a context manager or call ``start()``/``close()``.
 
-    def __init__(
-        self,
-        initial: torch.Tensor,
-        *,
-        world_size: int,
-        secret: bytes,
-        optimizer: OptimizerSpec,
-        host: str,
-        port: int = 0,
-        timeout_s: float = 60.0,
-        generation: int = 1,
-        on_metrics: Callable[[int, dict], None] | None = None,
-        consistency: Consistency | None = None,
-        compression: str = "none",
-        topk_ratio: float = 0.01,
-        shards: int = 1,
-        on_failure: Callable[[WorkerFailure, bool], None] | None = None,
-    ) -> None:
+    ``on_failure(failure, consequence)`` observes each failed rank once, in arrival order, before any
+    waiter is released; ``consequence``: the rank failed after another rank of this server had.
+    """
+
+    def __init__(self, initial: torch.Tensor, settings: PSSettings, *, world_size: int, secret: bytes,
+                 host: str, port: int = 0, generation: int = 1,
+                 on_metrics: Callable[[int, dict], None] | None = None,
+                 on_failure: FailureObserver | None = None) -> None:
+        if not isinstance(settings, PSSettings):
+            raise PSError(f"ParameterServer needs PSSettings, got {type(settings).__name__}")
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
             raise PSError("the parameter server needs a non-empty initial parameter tensor")
         flat = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        self._ranges = partition(flat.numel(), int(shards))
+        self._ranges = partition(flat.numel(), settings.shards)
         self._num_params = flat.numel()
-        # on_failure(failure, consequence) (once per failed rank, in arrival order) observes failures through
-        # the board; consequence: the rank failed after another rank of this server had.
+        self._settings = settings
         self._board = FailureBoard(on_failure) if len(self._ranges) > 1 or on_failure is not None else None
         self._shards = [
-            ShardServer(flat[start:end], world_size=world_size, secret=secret, optimizer=optimizer,
-                        host=host, port=port if i == 0 else 0, timeout_s=timeout_s, generation=generation,
+            ShardServer(flat[start:end], settings, world_size=world_size, secret=secret, host=host,
+                        port=port if i == 0 else 0, generation=generation,
                         # Metrics are sent once per report, to shard 0.
-                        on_metrics=on_metrics if i == 0 else None, consistency=consistency,
-                        compression=compression, topk_ratio=topk_ratio, shard_index=i, start=start,
+                        on_metrics=on_metrics if i == 0 else None, shard_index=i, start=start,
                         total_params=self._num_params, failure_sink=self._board)
             for i, (start, end) in enumerate(self._ranges)
         ]
         if self._board is not None:
             self._board.attach(self._shards)
+        self._group = ServerGroup(self._shards, name="shards", mixed=MixedVersionsText(
+            "shards", " (a rank died between its pushes)", f"{SHARDS_KEY}=1 avoids this"))
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> ParameterServer:
         """Bind every shard (OS-chosen ports except shard 0's ``port``), then announce the layout."""
-        started: list[ShardServer] = []
         self._started = True
-        try:
-            for shard in self._shards:
-                shard.start()
-                started.append(shard)
-        except BaseException:
-            for shard in started:
-                shard.close()
-            raise
+        self._group.start()
         if len(self._shards) > 1:
             # No worker knows any address before start() returns, so every WELCOME has the layout.
-            layout = [ShardAddress(*s.address, start, end) for s, (start, end) in zip(self._shards, self._ranges)]
+            layout = self.shards
             for shard in self._shards:
                 shard.set_layout(layout)
             logger.info("parameter server: %s shards %s", len(layout),
@@ -162,23 +116,16 @@ class ParameterServer:
 
     def close(self) -> None:
         """Stop serving (every shard; idempotent)."""
-        for shard in self._shards:
-            shard.close()
+        self._group.close()
 
     def fail(self, reason: str) -> None:
         """Abort: every current and future waiter on every shard gets an ERROR carrying ``reason``."""
-        for shard in self._shards:
-            shard.fail(reason)
+        self._group.fail(reason)
 
     def new_generation(self, generation: int | None = None) -> int:
         """Start a new barrier attempt on every shard (see ``ShardServer.new_generation``)."""
-        versions = [s.version for s in self._shards]
-        if len(set(versions)) > 1 and self.consistency.mode in ("sync", "average"):
-            raise PSError(f"shards are at different versions {versions}: a step was applied on some "
-                          f"shards only (a rank died between its pushes); {SHARDS_KEY}=1 avoids this")
-        new = self._shards[0].new_generation(generation)
-        for shard in self._shards[1:]:
-            shard.new_generation(new)
+        new = self._group.new_generation(
+            generation, refuse_mixed_versions=self.consistency.mode in _LOCKSTEP_MODES)
         if self._board is not None:
             self._board.reset()
         return new
@@ -197,19 +144,23 @@ class ParameterServer:
     @property
     def version(self) -> int:
         """The version every shard has reached (the minimum over shards)."""
-        return min(s.version for s in self._shards)
+        return self._group.version
 
     @property
     def generation(self) -> int:
-        return self._shards[0].generation
+        return self._group.generation
 
     @property
     def num_params(self) -> int:
         return self._num_params
 
     @property
+    def settings(self) -> PSSettings:
+        return self._settings
+
+    @property
     def consistency(self) -> Consistency:
-        return self._shards[0].consistency
+        return self._settings.consistency
 
     @property
     def waiting_ranks(self) -> dict[int, int]:
@@ -225,28 +176,28 @@ class ParameterServer:
             return self._shards[0].parameters()
         return torch.cat([s.parameters() for s in self._shards])
 
-    # Failures are mirrored to every shard by the FailureBoard, so shard 0 holds all of them.
     @property
     def failures(self) -> dict[int, WorkerFailure]:
-        return self._shards[0].failures
+        return self._group.failures
 
     @property
     def root_failures(self) -> dict[int, WorkerFailure]:
+        # The FailureBoard mirrors every failure, with one verdict, to every shard: shard 0 has them all.
         return self._shards[0].root_failures
 
     @property
     def registered_ranks(self) -> set[int]:
         """Ranks that authenticated with any shard in this generation."""
-        return set().union(*(s.registered_ranks for s in self._shards))
+        return self._group.registered_ranks
 
     @property
     def aborted(self) -> bool:
-        return any(s.aborted for s in self._shards)
+        return self._group.aborted
 
     @property
     def finished_ranks(self) -> set[int]:
         """Ranks that finished with every shard."""
-        return set.intersection(*(s.finished_ranks for s in self._shards))
+        return self._group.finished_ranks
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -255,13 +206,7 @@ class ParameterServer:
         per = [s.stats for s in self._shards]
         if len(per) == 1:
             return {**per[0], "shards": 1}
-        merged = dict(per[0])
-        for key in ("bytes_received", "bytes_sent", "push_payload_bytes", "rejected_connections",
-                    "protocol_errors", "requests_in_flight", "blocked_pulls"):
-            merged[key] = sum(p[key] for p in per)
-        merged["shards"] = len(per)
-        merged["by_shard"] = per
-        return merged
+        return {**self._group.summed_stats(per, _SUMMED_STATS), "shards": len(per), "by_shard": per}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -270,16 +215,8 @@ class ParameterServer:
 
         Shards step independently, so in sync/average mode a snapshot is retaken until every shard is
         at the same version (a step half-applied across shards is not a state any run had)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            states = [s.state_dict() for s in self._shards]
-            versions = {st["version"] for st in states}
-            if len(versions) == 1 or self.consistency.mode not in ("sync", "average"):
-                break
-            if time.monotonic() > deadline:
-                raise PSError(f"could not take a consistent snapshot: shards stayed at versions "
-                              f"{sorted(versions)} for {timeout_s:g}s")
-            time.sleep(0.005)
+        states = self._group.consistent_states(lambda s: s.state_dict(), timeout_s,
+                                               must_agree=self.consistency.mode in _LOCKSTEP_MODES)
         if len(states) == 1:
             return states[0]
         return {"version": min(st["version"] for st in states),

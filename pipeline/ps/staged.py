@@ -21,6 +21,7 @@ then refuses to continue (resume from a checkpoint instead of training on mixed 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, Callable, Optional
@@ -28,7 +29,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from pipeline.errors import PSError, WorkerFailure
+from pipeline.ps.failures import FailureObserver
+from pipeline.ps.fanout import MixedVersionsText, ServerGroup
+from pipeline.ps.modes import Consistency
 from pipeline.ps.server import ParameterServer
+from pipeline.ps.settings import PSSettings
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +41,15 @@ log = logging.getLogger(__name__)
 LINK_CONSEQUENCE = "pipeline link"
 # Errors a stage worker raises because of another stage's failure (see worker.stage_loop).
 CONSEQUENCE_MARKERS = (LINK_CONSEQUENCE, "stage group allreduce")
+_SUMMED_STATS = ("bytes_received", "bytes_sent", "push_payload_bytes")
 
 
 class StagedParameterServer:
     """P per-stage servers over the slices ``stage_ranges`` of ``initial`` (see module docstring)."""
 
-    def __init__(self, initial: torch.Tensor, stage_ranges: list[tuple[int, int]], *, replicas: int,
-                 on_metrics: Optional[Callable[[int, dict], None]] = None, **server_kwargs):
+    def __init__(self, initial: torch.Tensor, stage_ranges: list[tuple[int, int]], settings: PSSettings, *,
+                 replicas: int, secret: bytes, host: str, generation: int = 1,
+                 on_metrics: Optional[Callable[[int, dict], None]] = None) -> None:
         flat = initial.detach().to(torch.float32).reshape(-1)
         if stage_ranges[0][0] != 0 or stage_ranges[-1][1] != flat.numel() or any(
                 a[1] != b[0] for a, b in zip(stage_ranges, stage_ranges[1:])):
@@ -54,39 +61,33 @@ class StagedParameterServer:
         # Every failure on any stage, in arrival order, with its stage server's consequence verdict.
         self._arrivals: list[tuple[WorkerFailure, bool]] = []
         self._servers = [
-            ParameterServer(flat[start:end].clone(), world_size=replicas,
+            ParameterServer(flat[start:end].clone(), settings.for_slice(end - start), world_size=replicas,
+                            secret=secret, host=host, generation=generation,
                             on_metrics=self._metrics_sink(stage, on_metrics),
-                            on_failure=self._failure_sink(stage),
-                            **{**server_kwargs, "shards": min(server_kwargs.get("shards", 1), end - start)})
+                            on_failure=self._failure_sink(stage))
             for stage, (start, end) in enumerate(stage_ranges)
         ]
+        self._group = ServerGroup(self._servers, name="pipeline stages", rank_of=self.global_rank,
+                                  mixed=MixedVersionsText("stages", "", "restart from a checkpoint"))
 
     def global_rank(self, stage: int, replica: int) -> int:
         return replica * self.stages + stage
 
-    def _metrics_sink(self, stage: int, on_metrics):
+    def _metrics_sink(self, stage: int, on_metrics: Optional[Callable[[int, dict], None]]):
         if on_metrics is None:
             return None
         return lambda replica, metrics: on_metrics(self.global_rank(stage, replica), metrics)
 
-    def _failure_sink(self, stage: int):
+    def _failure_sink(self, stage: int) -> FailureObserver:
         def on_failure(failure: WorkerFailure, consequence: bool) -> None:
             rank = self.global_rank(stage, failure.rank)
             with self._lock:
-                self._arrivals.append((WorkerFailure(rank, failure.error, failure.log_tail), consequence))
+                self._arrivals.append((dataclasses.replace(failure, rank=rank), consequence))
         return on_failure
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "StagedParameterServer":
-        started = []
-        try:
-            for server in self._servers:
-                server.start()
-                started.append(server)
-        except BaseException:
-            for server in started:
-                server.close()
-            raise
+        self._group.start()
         log.info("parameter server: %d stage servers %s", self.stages,
                  ", ".join(f"stage {i} {s.address[0]}:{s.address[1]}[{a},{b})"
                            for i, (s, (a, b)) in enumerate(zip(self._servers, self.stage_ranges))))
@@ -99,32 +100,16 @@ class StagedParameterServer:
         self.close()
 
     def close(self) -> None:
-        for server in self._servers:
-            server.close()
+        self._group.close()
 
     def fail(self, reason: str) -> None:
-        for server in self._servers:
-            server.fail(reason)
+        self._group.fail(reason)
 
     def new_generation(self, generation: int | None = None) -> int:
-        versions = [s.version for s in self._servers]
-        if len(set(versions)) > 1:
-            raise PSError(f"pipeline stages are at different versions {versions}: a step was applied on some "
-                          "stages only; restart from a checkpoint")
-        new = self._servers[0].new_generation(generation)
-        for server in self._servers[1:]:
-            server.new_generation(new)
+        new = self._group.new_generation(generation, refuse_mixed_versions=True)
         with self._lock:
             self._arrivals.clear()
         return new
-
-    def _global(self, pick) -> dict[int, WorkerFailure]:
-        out: dict[int, WorkerFailure] = {}
-        for stage, server in enumerate(self._servers):
-            for replica, failure in pick(server).items():
-                rank = self.global_rank(stage, replica)
-                out[rank] = WorkerFailure(rank, failure.error, failure.log_tail)
-        return out
 
     # -- read-only views ---------------------------------------------------------------------------
     @property
@@ -138,18 +123,18 @@ class StagedParameterServer:
 
     @property
     def version(self) -> int:
-        return min(s.version for s in self._servers)
+        return self._group.version
 
     @property
     def generation(self) -> int:
-        return self._servers[0].generation
+        return self._group.generation
 
     @property
     def num_params(self) -> int:
         return self.stage_ranges[-1][1]
 
     @property
-    def consistency(self):
+    def consistency(self) -> Consistency:
         return self._servers[0].consistency
 
     def parameters(self) -> torch.Tensor:
@@ -158,7 +143,7 @@ class StagedParameterServer:
 
     @property
     def failures(self) -> dict[int, WorkerFailure]:
-        return self._global(lambda s: s.failures)
+        return self._group.failures
 
     @property
     def root_failures(self) -> dict[int, WorkerFailure]:
@@ -173,22 +158,20 @@ class StagedParameterServer:
 
     @property
     def registered_ranks(self) -> set[int]:
-        return {self.global_rank(stage, r) for stage, s in enumerate(self._servers) for r in s.registered_ranks}
+        return self._group.registered_ranks
 
     @property
     def finished_ranks(self) -> set[int]:
-        return {self.global_rank(stage, r) for stage, s in enumerate(self._servers) for r in s.finished_ranks}
+        return self._group.finished_ranks
 
     @property
     def aborted(self) -> bool:
-        return any(s.aborted for s in self._servers)
+        return self._group.aborted
 
     @property
     def stats(self) -> dict[str, Any]:
         per = [s.stats for s in self._servers]
-        merged = dict(per[0])
-        for key in ("bytes_received", "bytes_sent", "push_payload_bytes"):
-            merged[key] = sum(p.get(key, 0) for p in per)
+        merged = self._group.summed_stats(per, _SUMMED_STATS)
         merged["steps_applied_by_rank"] = {
             self.global_rank(stage, replica): steps
             for stage, p in enumerate(per) for replica, steps in p.get("steps_applied_by_rank", {}).items()}
@@ -200,19 +183,9 @@ class StagedParameterServer:
     def state_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """Every stage's state at one version: stages apply a step at different moments (the last stage
         first), so the snapshot is retaken until they agree; a resume needs them in step."""
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            states = [s.state_dict(timeout_s) for s in self._servers]
-            versions = sorted({st["version"] for st in states})
-            if len(versions) == 1:
-                return {"version": versions[0], "stages": states,
-                        "stage_ranges": [list(r) for r in self.stage_ranges]}
-            if time.monotonic() > deadline:
-                raise PSError(f"could not take a consistent snapshot: pipeline stages stayed at versions "
-                              f"{versions} for {timeout_s:g}s")
-            time.sleep(0.002)
+        states = self._group.consistent_states(lambda s: s.state_dict(timeout_s), timeout_s, must_agree=True)
+        return {"version": states[0]["version"], "stages": states,
+                "stage_ranges": [list(r) for r in self.stage_ranges]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if [tuple(r) for r in state.get("stage_ranges", [])] != self.stage_ranges:

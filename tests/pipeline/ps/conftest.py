@@ -7,7 +7,10 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, new_secret
+from pipeline.errors import WorkerFailure
+from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, PSSettings, new_secret
+from pipeline.ps.modes import Consistency
+from pipeline.wire.deadline import STEP_KEY, Timeout
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 1.5  # default deadline of servers and clients in these tests (<= 2 s)
@@ -19,22 +22,36 @@ def secret() -> bytes:
     return new_secret()
 
 
+def build_server(initial: torch.Tensor, *, world_size: int, secret: bytes, host: str = HOST,
+                 optimizer: OptimizerSpec | None = None, timeout_s: float = TIMEOUT_S,
+                 consistency: Consistency | None = None, compression: str = "none", topk_ratio: float = 0.01,
+                 shards: int = 1, port: int = 0, generation: int = 1,
+                 on_metrics: Callable[[int, dict], None] | None = None,
+                 on_failure: Callable[[WorkerFailure, bool], None] | None = None) -> ParameterServer:
+    """An (unstarted) server from the flat keywords these tests speak: ``timeout_s`` is the step
+    deadline as a bare ``ps.timeout_s`` would give it (``timeouts.step_s`` unset)."""
+    settings = PSSettings(optimizer=optimizer or OptimizerSpec(name="sgd", lr=1.0),
+                          consistency=consistency or Consistency(), compression=compression,
+                          topk_ratio=topk_ratio, shards=shards, step_timeout=Timeout.of(timeout_s, STEP_KEY))
+    return ParameterServer(initial, settings, world_size=world_size, secret=secret, host=host, port=port,
+                           generation=generation, on_metrics=on_metrics, on_failure=on_failure)
+
+
+@pytest.fixture
+def server_factory() -> Callable[..., ParameterServer]:
+    """``build_server`` as a fixture, for tests that construct servers themselves."""
+    return build_server
+
+
 @pytest.fixture
 def make_server(secret: bytes) -> Iterator[Callable[..., ParameterServer]]:
-    """Factory of started servers, all closed at teardown."""
+    """Factory of started servers (keywords of ``build_server``), all closed at teardown."""
     servers: list[ParameterServer] = []
 
-    def make(initial: torch.Tensor | None = None, *, world_size: int = 2,
-             optimizer: OptimizerSpec | None = None, **kwargs: Any) -> ParameterServer:
-        kwargs.setdefault("timeout_s", TIMEOUT_S)
-        kwargs.setdefault("secret", secret)
-        server = ParameterServer(
-            torch.arange(6, dtype=torch.float32) if initial is None else initial,
-            world_size=world_size,
-            optimizer=optimizer or OptimizerSpec(name="sgd", lr=1.0),
-            host=HOST,
-            **kwargs,
-        ).start()
+    def make(initial: torch.Tensor | None = None, *, world_size: int = 2, **options: Any) -> ParameterServer:
+        options.setdefault("secret", secret)
+        server = build_server(torch.arange(6, dtype=torch.float32) if initial is None else initial,
+                              world_size=world_size, **options).start()
         servers.append(server)
         return server
 

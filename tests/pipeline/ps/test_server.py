@@ -449,11 +449,11 @@ def test_state_dict_round_trip_continues_identically(make_server, make_client) -
     ({"initial": torch.tensor([float("inf")])}, "NaN or Inf"),
     ({"host": ""}, "explicit host"),
 ])
-def test_constructor_validates(secret, kwargs, match) -> None:
+def test_constructor_validates(secret, server_factory, kwargs, match) -> None:
     args = {"initial": torch.zeros(3), "world_size": 1, "secret": secret,
             "optimizer": OptimizerSpec(), "host": "127.0.0.1", **kwargs}
     with pytest.raises(PSError, match=match):
-        ParameterServer(args.pop("initial"), **args)
+        server_factory(args.pop("initial"), **args)
 
 
 def test_address_binds_loopback_with_an_os_chosen_port(make_server) -> None:
@@ -477,7 +477,7 @@ def test_load_state_dict_checks_the_optimizer_and_keeps_current_hyperparameters(
 
 
 def test_finite_check_is_exact_even_when_the_sum_overflows() -> None:
-    from pipeline.ps.server import _all_finite
+    from pipeline.ps.compression import all_finite as _all_finite
 
     assert _all_finite(torch.tensor([3e38, 3e38, -1.0]))  # the sum overflows, the values are finite
     assert not _all_finite(torch.tensor([0.0, float("inf")]))

@@ -3,14 +3,16 @@ import pytest
 import torch
 
 from pipeline.errors import PSError, WorkerFailure
-from pipeline.ps import OptimizerSpec, new_secret
+from pipeline.ps import OptimizerSpec, PSSettings, new_secret
 from pipeline.ps.staged import StagedParameterServer
+from pipeline.wire.deadline import STEP_KEY, Timeout
 
 
 def _server(stages=((0, 4), (4, 10)), replicas=2):
     initial = torch.arange(10, dtype=torch.float32)
-    return StagedParameterServer(initial, list(stages), replicas=replicas, secret=new_secret(),
-                                 optimizer=OptimizerSpec(lr=0.1), host="127.0.0.1", timeout_s=5)
+    settings = PSSettings(optimizer=OptimizerSpec(lr=0.1), step_timeout=Timeout.of(5, STEP_KEY))
+    return StagedParameterServer(initial, list(stages), settings, replicas=replicas, secret=new_secret(),
+                                 host="127.0.0.1")
 
 
 def test_stage_slices_concatenate_to_the_whole_model_and_ranks_are_global():

@@ -13,8 +13,9 @@ import torch
 from pipeline.models import ModelSpec, build_model, flat_parameters, load_flat_parameters, loss_fn
 from pipeline.parallel.link import StageListener
 from pipeline.parallel.stages import split_stages, stage_slices
-from pipeline.ps import OptimizerSpec, new_secret
+from pipeline.ps import OptimizerSpec, PSSettings, new_secret
 from pipeline.ps.staged import StagedParameterServer
+from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault, make_train_loader
 from pipeline.worker.plan import Deadlines, FaultPlan, LoaderPlan, StagePlan
@@ -59,8 +60,9 @@ def _train(plans, stages, replicas, on_metrics=None, shards=1):
     listeners = {p.rank: StageListener("127.0.0.1", secret, 1, stage=p.rank % stages, rank=p.rank,
                                        expect_rank=p.rank - 1, timeout_s=10)
                  for p in plans if p.rank % stages > 0}
-    with StagedParameterServer(initial, ranges, replicas=replicas, secret=secret, optimizer=OPTIMIZER,
-                               host="127.0.0.1", timeout_s=10, on_metrics=on_metrics, shards=shards) as server:
+    settings = PSSettings(optimizer=OPTIMIZER, shards=shards, step_timeout=Timeout.of(10, STEP_KEY))
+    with StagedParameterServer(initial, ranges, settings, replicas=replicas, secret=secret, host="127.0.0.1",
+                               on_metrics=on_metrics) as server:
         def target(plan):
             stage = plan.rank % stages
             wiring = StageWiring(listeners.get(plan.rank),

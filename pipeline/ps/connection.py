@@ -1,0 +1,75 @@
+"""The server side of worker connections: one authenticated connection, who is connected in this
+generation, and where each shard listens.
+
+Everything here is guarded by the owning shard's condition (``ShardCore.cond``): the roster is read by
+the handshake, the consistency policies (to name ranks that never connected or finished early) and
+the driver's views, always together with the shard's other state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.ps.protocol import Channel
+
+
+@dataclass(eq=False)
+class RankConnection:
+    """One authenticated worker connection, served by its own thread (the only writer of its socket)."""
+
+    rank: int
+    generation: int
+    channel: Channel
+    grad_buf: bytearray  # receive buffer of this rank's pushes, reused for every push
+    superseded: bool = False  # cut by new_generation(): its drop is not a worker failure
+    pulled_version: int = 0  # version of the last PARAMS sent: the base of this rank's next gradient
+
+
+@dataclass
+class Roster:
+    """Ranks of the current generation: connected now, finished, and every rank that authenticated."""
+
+    world_size: int
+    connected: dict[int, RankConnection] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    registered: set[int] = field(default_factory=set)
+
+    def add_locked(self, conn: RankConnection) -> None:
+        self.connected[conn.rank] = conn
+        self.registered.add(conn.rank)
+
+    def release_locked(self, conn: RankConnection) -> None:
+        # A newer connection of the same rank (next generation) must survive the old one's cleanup.
+        if self.connected.get(conn.rank) is conn:
+            del self.connected[conn.rank]
+
+    def finish_locked(self, conn: RankConnection) -> None:
+        if self.connected.get(conn.rank) is conn:
+            self.finished.add(conn.rank)
+            self.release_locked(conn)
+
+    def never_connected_locked(self, ranks: list[int]) -> list[int]:
+        return [r for r in ranks if r not in self.connected and r not in self.finished]
+
+    def cut_locked(self) -> list[RankConnection]:
+        """New generation: forget every rank; returns the connections to close (superseded)."""
+        old = list(self.connected.values())
+        for conn in old:
+            conn.superseded = True
+        self.connected.clear()
+        self.finished.clear()
+        self.registered.clear()
+        return old
+
+
+@dataclass(frozen=True)
+class ShardAddress:
+    """Where one shard listens and which slice ``[start, end)`` of the flat parameters it owns."""
+
+    host: str
+    port: int
+    start: int
+    end: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "start": self.start, "end": self.end}

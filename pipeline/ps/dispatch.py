@@ -1,0 +1,212 @@
+"""The request loop of one authenticated worker connection and its dispatch table: one handler per
+message type (after Horovod's ``BasicService._handle`` and its request/response classes), each reading
+its request type off the wire and returning its reply type (``messages``).
+
+Why reading the *next* request has no deadline: a worker may legitimately compute for a long time, and
+its liveness is judged by its peers' step deadlines, by the kernel closing a dead process's socket, by
+TCP keepalive and by ``close()`` (which shuts sockets down and so wakes those reads). The payload of a
+started frame does have a deadline. A drop before FINISH is a failure of that rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, ContextManager, Generic, Protocol, TypeVar
+
+from pipeline.errors import ProtocolError
+from pipeline.ps.compression import Contribution
+from pipeline.ps.connection import RankConnection
+from pipeline.ps.messages import (
+    MAX_ERROR_CHARS,
+    MAX_LOG_TAIL_CHARS,
+    PROTOCOL,
+    Ack,
+    FailRequest,
+    FinishRequest,
+    MetricsRequest,
+    Params,
+    PullRequest,
+    PushPullRequest,
+    PushRequest,
+    Refusal,
+    Reply,
+    send_error,
+)
+from pipeline.ps.policies import ConsistencyPolicy
+from pipeline.ps.protocol import DType, Header, MsgType, PeerClosedError, deadline_after
+from pipeline.wire.deadline import Timeout
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class RequestContext(Protocol):
+    """What the handlers need of the shard that serves the connection (``shard.ShardServer``)."""
+
+    @property
+    def policy(self) -> ConsistencyPolicy: ...
+    @property
+    def step_timeout(self) -> Timeout: ...
+    @property
+    def num_params(self) -> int: ...
+    @property
+    def push_dtypes(self) -> frozenset[DType]: ...
+
+    def in_flight(self) -> ContextManager[None]: ...
+    def count_push_payload(self, nbytes: int) -> None: ...
+    def count_protocol_error(self) -> None: ...
+    def record_failure(self, conn: RankConnection, error: str, log_tail: str = "") -> None: ...
+    def record_drop(self, conn: RankConnection, what: str) -> None: ...
+    def report_metrics(self, rank: int, metrics: dict[str, Any]) -> None: ...
+    def finish(self, conn: RankConnection) -> None: ...
+    def send_params(self, conn: RankConnection, version: int) -> None: ...
+
+
+class Handler(Generic[R]):
+    """One message type: ``read`` its request (payload included), ``handle`` it into one reply."""
+
+    # Step requests wait on peers; fail()/close() wake them and let them deliver their ERROR first.
+    waits: bool = False
+    ends_connection: bool = False
+
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> R:
+        raise NotImplementedError
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: R) -> Reply:
+        raise NotImplementedError
+
+
+def _read_contribution(ctx: RequestContext, conn: RankConnection, header: Header) -> Contribution:
+    if header.dtype is not DType.SPARSE_F32 and header.count != ctx.num_params:
+        raise ProtocolError(f"PUSH of {header.count} elements, the model has {ctx.num_params}")
+    payload = conn.channel.recv_into(header, conn.grad_buf, deadline_after(ctx.step_timeout.seconds))
+    ctx.count_push_payload(header.length)
+    return Contribution(payload, header, ctx.num_params)  # validates sparse indices
+
+
+class PushHandler(Handler[PushRequest]):
+    waits = True
+
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> PushRequest:
+        return PushRequest(header.step, _read_contribution(ctx, conn, header))
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: PushRequest) -> Reply:
+        return Ack(ctx.policy.push(conn, request.step, request.contribution))
+
+
+class PushPullHandler(Handler[PushPullRequest]):
+    waits = True
+
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> PushPullRequest:
+        return PushPullRequest(header.step, _read_contribution(ctx, conn, header))
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: PushPullRequest) -> Reply:
+        return Params(ctx.policy.push_pull(conn, request.step, request.contribution))
+
+
+class PullHandler(Handler[PullRequest]):
+    waits = True
+
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> PullRequest:
+        return PullRequest(header.step)
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: PullRequest) -> Reply:
+        return Params(ctx.policy.pull(conn, request.wanted))
+
+
+class MetricsHandler(Handler[MetricsRequest]):
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> MetricsRequest:
+        return MetricsRequest(header.step, conn.channel.recv_json(header, deadline_after(ctx.step_timeout.seconds)))
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: MetricsRequest) -> Reply:
+        ctx.report_metrics(conn.rank, request.metrics)
+        return Ack(request.step)
+
+
+class FailHandler(Handler[FailRequest]):
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> FailRequest:
+        body = conn.channel.recv_json(header, deadline_after(ctx.step_timeout.seconds))
+        return FailRequest(header.step, str(body.get("error", "worker reported a failure"))[:MAX_ERROR_CHARS],
+                           str(body.get("log_tail", ""))[-MAX_LOG_TAIL_CHARS:])
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: FailRequest) -> Reply:
+        ctx.record_failure(conn, request.error, request.log_tail)
+        return Ack(request.step)
+
+
+class FinishHandler(Handler[FinishRequest]):
+    ends_connection = True
+
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> FinishRequest:
+        return FinishRequest(header.step)
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: FinishRequest) -> Reply:
+        ctx.finish(conn)
+        return Ack(request.step)
+
+
+# Frames a worker may send after the handshake; any other type is a protocol error.
+HANDLERS: dict[MsgType, Handler[Any]] = {
+    MsgType.PUSH: PushHandler(),
+    MsgType.PUSH_PULL: PushPullHandler(),
+    MsgType.PULL: PullHandler(),
+    MsgType.METRICS: MetricsHandler(),
+    MsgType.FAIL: FailHandler(),
+    MsgType.FINISH: FinishHandler(),
+}
+
+
+def deliver(ctx: RequestContext, conn: RankConnection, reply: Reply) -> None:
+    match reply:
+        case Params(version=version):
+            ctx.send_params(conn, version)
+        case Ack(step=step):
+            conn.channel.send_empty(MsgType.ACK, generation=conn.generation, rank=conn.rank, step=step,
+                                    timeout=ctx.step_timeout.seconds)
+
+
+def serve_request(ctx: RequestContext, conn: RankConnection, header: Header) -> bool:
+    """Read, handle and answer one request; True when the connection is done (FINISH)."""
+    handler = HANDLERS.get(header.type)
+    if handler is None:
+        raise ProtocolError(f"unexpected {header.type.name} frame from a worker")
+    request = handler.read(ctx, conn, header)
+    with ctx.in_flight() if handler.waits else contextlib.nullcontext():
+        try:
+            deliver(ctx, conn, handler.handle(ctx, conn, request))
+        except Refusal as refusal:
+            send_error(conn.channel, str(refusal), kind=refusal.kind, generation=conn.generation,
+                       rank=conn.rank, step=header.step, timeout_s=ctx.step_timeout.seconds)
+    return handler.ends_connection
+
+
+def serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> None:
+    """The request loop of one authenticated worker, until FINISH or the connection ends."""
+    channel = conn.channel
+    while True:
+        try:
+            header = channel.recv_header(None, tensor_dtypes=ctx.push_dtypes)  # idle: no deadline
+            if header.generation != conn.generation or header.rank != conn.rank:
+                raise ProtocolError(
+                    f"frame for rank {header.rank} generation {header.generation} on the connection "
+                    f"of rank {conn.rank} generation {conn.generation}")
+            if serve_request(ctx, conn, header):
+                return
+        except PeerClosedError:
+            ctx.record_drop(conn, "closed its connection to the parameter server before FINISH")
+            return
+        except ProtocolError as exc:
+            logger.warning("protocol error from rank %s (%s): %s", conn.rank, peer, exc)
+            ctx.count_protocol_error()
+            send_error(channel, f"protocol error: {exc}", kind=PROTOCOL, generation=conn.generation,
+                       rank=conn.rank, timeout_s=ctx.step_timeout.seconds)
+            ctx.record_drop(conn, f"sent a malformed frame and was disconnected: {exc}")
+            return
+        except TimeoutError:
+            ctx.record_drop(conn, f"stalled mid-frame for more than {ctx.step_timeout.seconds:g}s "
+                                  f"({ctx.step_timeout.key})")
+            return
+        except OSError as exc:
+            ctx.record_drop(conn, f"lost its connection to the parameter server: {exc}")
+            return

@@ -1,0 +1,237 @@
+"""One shard's listening socket: the accept loop, a thread per connection, and the server side of the
+HMAC handshake (CHALLENGE -> AUTH -> WELCOME).
+
+Why one thread per connection: only that thread writes to its socket, so frames never interleave.
+Connections are capped so a flood of unauthenticated sockets cannot exhaust threads or memory, and an
+unauthenticated socket gets at most ``HANDSHAKE_S`` to prove the secret: an honest worker answers the
+CHALLENGE at once, and silent sockets must not hold slots for a whole step deadline.
+
+``authenticate`` is the wire part of the handshake on its own (nonce, AUTH, MAC check), so it can be
+replaced by the shared ``pipeline.wire`` handshake without touching admission or the WELCOME.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Protocol
+
+from pipeline.errors import PSError, ProtocolError
+from pipeline.ps.connection import RankConnection
+from pipeline.ps.messages import AUTH, send_error
+from pipeline.ps.protocol import (
+    NONCE_SIZE,
+    Channel,
+    Header,
+    MsgType,
+    deadline_after,
+    set_buffer_sizes,
+    set_socket_options,
+    verify_mac,
+)
+from pipeline.ps.stats import ShardStats
+from pipeline.wire.deadline import Timeout
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_S = 10.0  # longest wait for a new connection's AUTH
+_JOIN_DEADLINE_S = 2.0
+_ACCEPT_POLL_S = 0.25
+
+
+class HandshakeRejected(Exception):
+    """The connection is refused: ``reason`` goes to the peer as an ERROR frame of ``kind``."""
+
+    def __init__(self, reason: str, kind: str = AUTH, *, generation: int = 0, rank: int = 0) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.kind = kind
+        self.generation = generation
+        self.rank = rank
+
+
+def authenticate(channel: Channel, *, secret: bytes, generation: int, timeout: Timeout) -> Header:
+    """CHALLENGE with a fresh nonce, then the peer's AUTH must carry the MAC of the secret over it,
+    bound to the rank and generation it claims. Returns that AUTH header; raises HandshakeRejected."""
+    nonce = secrets.token_bytes(NONCE_SIZE)
+    handshake_s = timeout.shorter(HANDSHAKE_S).seconds
+    deadline = deadline_after(handshake_s)
+    try:
+        channel.send_bytes(MsgType.CHALLENGE, nonce, generation=generation, rank=0, timeout=handshake_s)
+        header = channel.recv_header(deadline)
+        if header.type is not MsgType.AUTH:
+            raise ProtocolError(f"expected AUTH, got {header.type.name}")
+        mac = channel.recv_bytes(header, deadline)
+    except TimeoutError:
+        raise HandshakeRejected(f"no AUTH within {handshake_s:g}s of connecting") from None
+    except (PSError, OSError) as exc:
+        raise HandshakeRejected(f"handshake failed: {exc}") from None
+    if not verify_mac(secret, nonce, header.rank, header.generation, mac):
+        raise HandshakeRejected(f"authentication failed for rank {header.rank}: wrong secret")
+    return header
+
+
+class ConnectionHost(Protocol):
+    """What the listener needs of its shard (``shard.ShardServer``)."""
+
+    def current_generation(self) -> int: ...
+    def admit(self, auth: Header, channel: Channel) -> tuple[RankConnection, dict[str, Any]]:
+        """Register an authenticated rank, returning it and its WELCOME; raises HandshakeRejected."""
+    def serve(self, conn: RankConnection, peer: tuple) -> None: ...
+    def release_locked(self, conn: RankConnection) -> None: ...
+
+
+class ShardListener:
+    """The listening socket and connection threads of one shard. ``cond`` is the shard's condition,
+    which also guards ``stats``; ``close()`` is called once, after the shard stopped serving."""
+
+    def __init__(self, host: str, port: int, *, shard_index: int, cond: threading.Condition,
+                 stats: ShardStats, max_connections: int, secret: bytes, step_timeout: Timeout,
+                 owner: ConnectionHost) -> None:
+        self._host = host
+        self._port = port
+        self._index = shard_index
+        self._cond = cond
+        self._stats = stats
+        self._max_connections = max_connections
+        self._secret = secret
+        self._timeout = step_timeout
+        self._owner = owner
+        self._closed = False
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._threads: set[threading.Thread] = set()
+        self._open_channels: set[Channel] = set()
+        self.address: tuple[str, int] | None = None
+
+    def start(self) -> tuple[str, int]:
+        """Bind ``host:port`` (port 0 = OS-chosen) and start accepting; returns the bound address."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        try:
+            listener = socket.create_server((self._host, self._port), family=family, backlog=128)
+        except OSError as exc:
+            raise PSError(f"parameter server could not bind {self._host}:{self._port}: {exc} "
+                          "(check ps.host / spark.driver.host)") from exc
+        listener.settimeout(_ACCEPT_POLL_S)
+        set_buffer_sizes(listener)  # inherited by accepted sockets, so it is in place from the SYN on
+        self._listener = listener
+        self.address = tuple(listener.getsockname()[:2])  # type: ignore[assignment]
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name=f"ps-accept-{self._index}")
+        self._accept_thread.start()
+        return self.address  # type: ignore[return-value]
+
+    def live_bytes_locked(self) -> tuple[int, int]:
+        """(received, sent) of the connections still open; closed ones are folded into the stats."""
+        live = list(self._open_channels)
+        return sum(c.bytes_received for c in live), sum(c.bytes_sent for c in live)
+
+    def close(self) -> None:
+        """Shut every socket down (which wakes their blocked reads) and join the threads."""
+        with self._cond:
+            self._closed = True
+            channels = list(self._open_channels)
+        if self._listener is not None:
+            try:  # shutdown wakes the blocked accept at once on Linux; the poll timeout elsewhere
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        for channel in channels:
+            channel.close()
+        deadline = time.monotonic() + _JOIN_DEADLINE_S
+        threads = [t for t in [self._accept_thread, *list(self._threads)] if t is not None]
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive() and t is not threading.current_thread()]
+        if stuck:
+            logger.warning("parameter server threads still running after close: %s", stuck)
+
+    # -- accepting (accept thread) -------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed:
+            try:
+                sock, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._closed or self._listener.fileno() < 0:
+                    return
+                # EMFILE, ECONNABORTED...: transient; keep serving the workers already connected.
+                logger.warning("parameter server accept failed: %s; retrying", exc)
+                time.sleep(0.05)
+                continue
+            with self._cond:
+                if self._closed:
+                    sock.close()
+                    return
+                too_many = len(self._threads) >= self._max_connections
+                if too_many:
+                    self._stats.rejected_connections += 1
+                else:
+                    thread = threading.Thread(target=self._serve_connection, args=(sock, peer),
+                                              name=f"ps-conn-{peer[0]}:{peer[1]}", daemon=True)
+                    self._threads.add(thread)
+            if too_many:
+                logger.warning("rejected connection from %s: more than %s open connections",
+                               peer, self._max_connections)
+                sock.close()
+                continue
+            thread.start()
+
+    # -- one connection (its own thread) --------------------------------------------------------------
+    def _serve_connection(self, sock: socket.socket, peer: tuple) -> None:
+        channel = Channel(sock, max_elements=0)
+        with self._cond:
+            self._open_channels.add(channel)
+        conn: RankConnection | None = None
+        try:
+            try:
+                set_socket_options(sock)
+            except OSError:
+                pass  # the peer is already gone; the handshake below notices and logs it
+            conn = self._handshake(channel, peer)
+            if conn is not None:
+                self._owner.serve(conn, peer)
+        except Exception:  # a bug must not take the server down; log it with the peer
+            logger.exception("parameter server connection handler for %s crashed", peer)
+        finally:
+            channel.close()
+            with self._cond:
+                self._open_channels.discard(channel)
+                self._stats.bytes_received += channel.bytes_received
+                self._stats.bytes_sent += channel.bytes_sent
+                if conn is not None:
+                    self._owner.release_locked(conn)
+                self._threads.discard(threading.current_thread())
+                self._cond.notify_all()
+
+    def _handshake(self, channel: Channel, peer: tuple) -> RankConnection | None:
+        """Authenticate, admit, WELCOME. Returns the registered connection, or None if rejected."""
+        try:
+            auth = authenticate(channel, secret=self._secret, generation=self._owner.current_generation(),
+                                timeout=self._timeout)
+            conn, welcome = self._owner.admit(auth, channel)
+        except HandshakeRejected as rejected:
+            self._reject(channel, peer, rejected)
+            return None
+        try:
+            channel.send_json(MsgType.WELCOME, welcome, generation=conn.generation, rank=conn.rank,
+                              timeout=self._timeout.seconds)
+        except (OSError, PSError) as exc:
+            logger.warning("rank %s from %s vanished during the handshake: %s", conn.rank, peer, exc)
+        logger.info("rank %s connected from %s (generation %s)", conn.rank, peer, conn.generation)
+        return conn
+
+    def _reject(self, channel: Channel, peer: tuple, rejected: HandshakeRejected) -> None:
+        """Drop an unauthenticated or refused connection: log, count, best-effort ERROR frame."""
+        logger.warning("rejected PS connection from %s: %s", peer, rejected.reason)
+        with self._cond:
+            self._stats.rejected_connections += 1
+        send_error(channel, rejected.reason, kind=rejected.kind, generation=rejected.generation,
+                   rank=rejected.rank, timeout_s=self._timeout.seconds)
+

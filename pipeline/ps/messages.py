@@ -1,0 +1,106 @@
+"""The requests a shard serves and the replies it sends, as types (after Horovod's request/response
+classes in ``spark/driver/driver_service.py``): a handler reads one request off the wire, returns one
+reply or raises a :class:`Refusal`, which reaches the worker as an ERROR frame of its ``kind``.
+
+Why refusals have kinds: the client turns each kind into its own exception (``PSClient._refusal``),
+so a worker can tell a deadline from a protocol error from a NaN it would only replay on retry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pipeline.errors import PSError
+from pipeline.ps.compression import Contribution
+from pipeline.ps.protocol import Channel, MsgType
+
+# ERROR frame kinds (the ``kind`` field the client maps to an exception type).
+ERROR = "error"
+TIMEOUT = "timeout"
+PROTOCOL = "protocol"
+AUTH = "auth"
+NONFINITE = "nonfinite"
+
+MAX_ERROR_CHARS = 64 * 1024
+MAX_LOG_TAIL_CHARS = 256 * 1024
+
+
+class Refusal(Exception):
+    """A request answered with an ERROR frame; the connection stays usable."""
+
+    def __init__(self, message: str, kind: str = ERROR) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# -- requests (client -> server) ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class PushRequest:
+    """PUSH: this rank's gradient (or, in average mode, parameter delta) for ``step``."""
+
+    step: int
+    contribution: Contribution
+
+
+@dataclass(frozen=True)
+class PushPullRequest:
+    """PUSH_PULL: PUSH(step) answered with the PARAMS a PULL(step + 1) would get."""
+
+    step: int
+    contribution: Contribution
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """PULL: the number the rank waits for (a version in sync/async, the clock to start in ssp)."""
+
+    wanted: int
+
+
+@dataclass(frozen=True)
+class MetricsRequest:
+    step: int
+    metrics: dict[str, Any]  # a worker's JSON object, handed to on_metrics as it came
+
+
+@dataclass(frozen=True)
+class FailRequest:
+    step: int
+    error: str
+    log_tail: str
+
+
+@dataclass(frozen=True)
+class FinishRequest:
+    step: int
+
+
+Request = Union[PushRequest, PushPullRequest, PullRequest, MetricsRequest, FailRequest, FinishRequest]
+
+
+# -- replies (server -> client) ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ack:
+    """ACK carrying ``step`` (async: the version the push was applied to)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Params:
+    """PARAMS at ``version``; the handler registered a reader for it, which sending releases."""
+
+    version: int
+
+
+Reply = Union[Ack, Params]
+
+
+def send_error(channel: Channel, message: str, *, kind: str, generation: int, rank: int, step: int = 0,
+               timeout_s: float) -> None:
+    """Best effort: the peer may already be gone, and a refusal must never fail the server."""
+    try:
+        channel.send_json(MsgType.ERROR, {"error": message[:MAX_ERROR_CHARS], "kind": kind},
+                          generation=generation, rank=rank, step=step, timeout=timeout_s)
+    except (OSError, PSError):
+        pass

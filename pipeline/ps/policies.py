@@ -1,0 +1,385 @@
+"""The four consistency modes (``ps.mode``) on the server, one policy class each, in a table keyed by
+mode that mirrors the worker's ``pipeline.worker.exchange.EXCHANGES`` (see ``modes`` for what each
+mode means for the numbers a PUSH and a PULL carry).
+
+* ``sync`` (BSP): every rank pushes its gradient for step ``t == version``; the last push of the step
+  averages the sum (one preallocated buffer, one division), steps the optimizer and bumps the version,
+  which releases the PULLs waiting for ``t + 1``. ``(rank, step)`` is applied at most once.
+* ``average``: the BSP path of ``sync``; a complete step adds the mean parameter delta instead of
+  stepping an optimizer.
+* ``ssp``: each clock's gradients are summed in a ring of ``staleness + 1`` buffers and clocks are
+  applied in order, once every rank pushed them; a PULL(c) waits until ``c - slowest <= staleness``.
+* ``async``: each push is applied on arrival as one optimizer step.
+
+Every wait has a deadline (``PSSettings.step_timeout``) whose text names the ranks it waited for and
+the key that raises it: a synchronous server must never hang on a dead worker. A rank that failed, or
+finished while peers still need it, fails the waiters at once instead.
+"""
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+import torch
+
+from pipeline.ps.compression import Contribution
+from pipeline.ps.connection import RankConnection, Roster
+from pipeline.ps.core import ShardCore
+from pipeline.ps.failures import FailureLedger
+from pipeline.ps.messages import NONFINITE, TIMEOUT, Refusal
+from pipeline.ps.modes import Consistency
+from pipeline.ps.stats import ShardStats
+
+
+class ConsistencyPolicy:
+    """How one shard combines pushes into updates and when it answers a pull, for one ``ps.mode``.
+    Called from connection threads; every method takes or expects the core's condition."""
+
+    mode: ClassVar[str]
+
+    def __init__(self, core: ShardCore, roster: Roster, ledger: FailureLedger, stats: ShardStats,
+                 consistency: Consistency) -> None:
+        self.core = core
+        self.roster = roster
+        self.ledger = ledger
+        self.stats = stats
+        self.consistency = consistency
+        self.world_size = roster.world_size
+        self.timeout = core.step_timeout
+        self.clock: dict[int, int] = {}  # ssp/async: steps pushed per rank in this generation
+
+    # -- generation lifecycle (under the core's condition) ------------------------------------------
+    def clock_on_connect_locked(self, rank: int) -> int:
+        """The step a rank that connects now pushes next (announced in its WELCOME)."""
+        return self.clock.setdefault(rank, 0)
+
+    def pending_locked(self) -> int:
+        """Pushes received for updates not applied yet (a checkpoint cannot be loaded meanwhile)."""
+        return 0
+
+    def new_generation_locked(self) -> int:
+        """Forget the unfinished update (it is redone by the next attempt); returns its push count."""
+        self.clock.clear()
+        self.core.grad_sum.zero_()
+        return 0
+
+    def waiting_locked(self) -> dict[int, int]:
+        return {}
+
+    def checkpoint_clocks_locked(self) -> dict[int, int]:
+        return {}
+
+    def restore_clocks_locked(self, clocks: dict[int, int]) -> None:
+        pass
+
+    # -- requests ----------------------------------------------------------------------------------
+    def refusal_locked(self, conn: RankConnection) -> str | None:
+        """Why no request of ``conn`` can be served now (abort, stale generation, failed peer)."""
+        core = self.core
+        if core.abort_reason is not None:
+            return core.abort_reason
+        if conn.generation != core.generation or conn.superseded:
+            return f"generation {conn.generation} was superseded by generation {core.generation}"
+        if self.ledger.failures:
+            ranks, parts = self.ledger.describe_locked()
+            return self._failed_peer_text(ranks, parts)
+        return None
+
+    def _failed_peer_text(self, ranks: str, parts: str) -> str:
+        return f"rank(s) {ranks} failed, so the {self.mode} run cannot complete ({parts})"
+
+    def _refuse_if_unservable_locked(self, conn: RankConnection) -> None:
+        refusal = self.refusal_locked(conn)
+        if refusal is not None:
+            raise Refusal(refusal)
+
+    def _nonfinite(self, conn: RankConnection, step: int) -> Refusal:
+        return Refusal(f"rank {conn.rank} pushed a gradient with NaN/Inf for step {step}; "
+                       "lower train.lr or check the loss", kind=NONFINITE)
+
+    def push(self, conn: RankConnection, step: int, grad: Contribution) -> int:
+        """Take the push; returns the step its ACK carries."""
+        raise NotImplementedError
+
+    def pull(self, conn: RankConnection, wanted: int) -> int:
+        """Wait until ``wanted`` may be served; returns the version, with a reader registered for it."""
+        raise NotImplementedError
+
+    def push_pull(self, conn: RankConnection, step: int, grad: Contribution) -> int:
+        """PUSH(step) then PULL(step + 1) as one request: one round trip per step instead of two."""
+        self.push(conn, step, grad)
+        return self.pull(conn, step + 1)
+
+
+class SyncPolicy(ConsistencyPolicy):
+    """BSP: a step is applied once every rank pushed it (see module docstring)."""
+
+    mode = "sync"
+
+    def __init__(self, core: ShardCore, roster: Roster, ledger: FailureLedger, stats: ShardStats,
+                 consistency: Consistency) -> None:
+        super().__init__(core, roster, ledger, stats, consistency)
+        self.pushed: set[int] = set()  # ranks that pushed step == version
+
+    def pending_locked(self) -> int:
+        return len(self.pushed)
+
+    def new_generation_locked(self) -> int:
+        discarded = len(self.pushed)
+        self.pushed.clear()
+        super().new_generation_locked()
+        return discarded
+
+    def _failed_peer_text(self, ranks: str, parts: str) -> str:
+        return (f"rank(s) {ranks} failed, so synchronous step {self.core.version} cannot complete "
+                f"({parts})")
+
+    def _apply(self, grad_sum: torch.Tensor) -> None:
+        self.core.optimizer_step(grad_sum, self.world_size)
+
+    def push(self, conn: RankConnection, step: int, grad: Contribution) -> int:
+        finite = grad.all_finite()  # outside the lock: a full pass over the gradient
+        core = self.core
+        with core.cond:
+            self._refuse_if_unservable_locked(conn)
+            if step != core.version:
+                raise Refusal(f"rank {conn.rank} pushed a gradient for step {step} but the server is at "
+                              f"version {core.version}; synchronous mode expects step == version")
+            if conn.rank in self.pushed:
+                raise Refusal(f"rank {conn.rank} already pushed a gradient for step {step}")
+            if not finite:
+                raise self._nonfinite(conn, step)
+            if self.pushed:
+                grad.add_to(core.grad_sum)
+            else:  # first push of the step: one pass that overwrites the (stale) sum
+                grad.start_sum(core.grad_sum)
+            self.pushed.add(conn.rank)
+            self.stats.pushed_locked(conn.rank, step)
+            # The sum is not zeroed after the step: the next step's first push overwrites it.
+            if len(self.pushed) == self.world_size and core.update_locked(lambda: self._apply(core.grad_sum)):
+                self.stats.applied_locked(self.pushed)
+                self.pushed.clear()
+            core.cond.notify_all()
+        return step
+
+    def pull(self, conn: RankConnection, wanted: int) -> int:
+        core = self.core
+        deadline = self.timeout.deadline()
+        with core.cond:
+            while True:
+                self._refuse_if_unservable_locked(conn)
+                if core.version >= wanted and not core.stepping:
+                    break
+                # While stepping the version is about to move: wait for it below.
+                if not core.stepping and (wanted > core.version + 1 or conn.rank not in self.pushed):
+                    raise Refusal(
+                        f"rank {conn.rank} asked for version {wanted} but the server is at version "
+                        f"{core.version} and rank {conn.rank} has not pushed step {core.version}; "
+                        "in synchronous mode a rank may only wait for the step it has pushed")
+                gone = sorted(r for r in self.roster.finished if r not in self.pushed)
+                if gone:
+                    raise Refusal(f"rank(s) {', '.join(map(str, gone))} finished without pushing step "
+                                  f"{core.version}, so version {wanted} can never be reached")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Refusal(self._timeout_text_locked(wanted), kind=TIMEOUT)
+                core.cond.wait(left)
+            return core.begin_read_locked(conn)
+
+    def _timeout_text_locked(self, wanted: int) -> str:
+        missing = sorted(set(range(self.world_size)) - self.pushed)
+        never = self.roster.never_connected_locked(missing)
+        what = (f"version {wanted}: rank(s) {', '.join(map(str, missing))} had not pushed step "
+                f"{self.core.version}")
+        if never:
+            what += f" (rank(s) {', '.join(map(str, never))} never connected)"
+        return self.timeout.message(what) + " if these workers are only slow"
+
+
+class AveragePolicy(SyncPolicy):
+    """Local SGD: the BSP path, where a complete round adds the replicas' mean parameter delta."""
+
+    mode = "average"
+
+    def _apply(self, grad_sum: torch.Tensor) -> None:
+        self.core.add_mean_delta(grad_sum, self.world_size)
+
+
+class _ClockPolicy(ConsistencyPolicy):
+    """ssp/async: each rank pushes its own steps in order, each at most once."""
+
+    def _check_clock_locked(self, conn: RankConnection, step: int, finite: bool) -> None:
+        expected = self.clock.get(conn.rank, 0)
+        if step != expected:
+            raise Refusal(f"rank {conn.rank} pushed step {step} but its next step is {expected}; in "
+                          f"{self.mode} mode each rank pushes its steps once, in order")
+        if not finite:
+            raise self._nonfinite(conn, step)
+
+
+class SspPolicy(_ClockPolicy):
+    """Stale-synchronous: whole clocks applied in order, a rank at most ``staleness`` clocks ahead."""
+
+    mode = "ssp"
+
+    def __init__(self, core: ShardCore, roster: Roster, ledger: FailureLedger, stats: ShardStats,
+                 consistency: Consistency) -> None:
+        super().__init__(core, roster, ledger, stats, consistency)
+        self.bound = consistency.staleness
+        # One gradient sum per clock that may be in flight (slot 0 is the core's sum).
+        self.ring = [core.grad_sum] + [torch.zeros_like(core.grad_sum) for _ in range(self.bound)]
+        self.clock_pushed: dict[int, set[int]] = {}  # clock -> ranks that pushed it
+        self.waiting: dict[int, int] = {}  # rank -> clock it is blocked on (observability)
+
+    def clock_on_connect_locked(self, rank: int) -> int:
+        # Every clock before the version is applied, so a (re)connecting rank starts at the version.
+        return self.clock.setdefault(rank, self.core.version)
+
+    def pending_locked(self) -> int:
+        return sum(len(ranks) for ranks in self.clock_pushed.values())
+
+    def new_generation_locked(self) -> int:
+        discarded = self.pending_locked()
+        self.clock_pushed.clear()
+        super().new_generation_locked()
+        for buf in self.ring:
+            buf.zero_()
+        return discarded
+
+    def waiting_locked(self) -> dict[int, int]:
+        return dict(self.waiting)
+
+    def push(self, conn: RankConnection, step: int, grad: Contribution) -> int:
+        """Add to the clock's sum; apply every clock that is now complete, in order."""
+        finite = grad.all_finite()
+        core, bound = self.core, self.bound
+        with core.cond:
+            self._refuse_if_unservable_locked(conn)
+            self._check_clock_locked(conn, step, finite)
+            if step - core.version > bound:
+                raise Refusal(f"rank {conn.rank} pushed clock {step} while the slowest rank is at clock "
+                              f"{core.version}: more than ps.staleness={bound} ahead (PULL first)")
+            core.wait_not_stepping_locked(f"adding clock {step} of rank {conn.rank}")
+            grad.add_to(self.ring[step % (bound + 1)])
+            self.clock_pushed.setdefault(step, set()).add(conn.rank)
+            self.clock[conn.rank] = step + 1
+            self.stats.pushed_locked(conn.rank, step)
+            while len(self.clock_pushed.get(core.version, ())) == self.world_size:
+                clock = core.version
+                if not core.update_locked(lambda buf=self.ring[clock % (bound + 1)]: self._apply(buf)):
+                    break
+                del self.clock_pushed[clock]
+            core.cond.notify_all()
+        return step
+
+    def _apply(self, clock_sum: torch.Tensor) -> None:
+        self.core.optimizer_step(clock_sum, self.world_size)
+        clock_sum.zero_()
+
+    def pull(self, conn: RankConnection, wanted: int) -> int:
+        """PULL(c) = "rank wants to start clock c": wait until c - slowest <= staleness."""
+        core, bound = self.core, self.bound
+        started = time.monotonic()
+        deadline = started + self.timeout.seconds
+        blocked = False
+        with core.cond:
+            try:
+                while True:
+                    self._refuse_if_unservable_locked(conn)
+                    if self.clock.get(conn.rank, 0) < wanted:
+                        raise Refusal(f"rank {conn.rank} asked to start clock {wanted} but has pushed only "
+                                      f"{self.clock.get(conn.rank, 0)} clocks; push before pulling")
+                    if wanted - core.version <= bound and not core.stepping:
+                        break
+                    if not core.stepping:
+                        gone = sorted(r for r in self.roster.finished if self.clock.get(r, 0) < wanted - bound)
+                        if gone:
+                            raise Refusal(f"rank(s) {', '.join(map(str, gone))} finished behind clock "
+                                          f"{wanted - bound}, so rank {conn.rank} can never start clock {wanted}")
+                        blocked = True
+                        self.waiting[conn.rank] = wanted
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Refusal(self._timeout_text_locked(conn.rank, wanted), kind=TIMEOUT)
+                    core.cond.wait(left)
+            finally:
+                self.waiting.pop(conn.rank, None)
+                if blocked:
+                    self.stats.blocked_pull_locked(conn.rank, time.monotonic() - started)
+            return core.begin_read_locked(conn)
+
+    def _timeout_text_locked(self, rank: int, wanted: int) -> str:
+        version = self.core.version
+        slow = sorted(r for r in range(self.world_size) if self.clock.get(r, 0) <= version)
+        what = (f"the slowest rank(s) {', '.join(map(str, slow))} (at clock {version}) so that rank {rank} "
+                f"may start clock {wanted} within ps.staleness={self.bound}")
+        return self.timeout.message(what) + " if these workers are only slow"
+
+
+class AsyncPolicy(_ClockPolicy):
+    """Every push is applied on arrival as one optimizer step; the ACK carries the version it was
+    applied to, so the worker knows its staleness."""
+
+    mode = "async"
+
+    def new_generation_locked(self) -> int:
+        # Pushes were applied one by one, so each rank resumes at its own clock (its data position).
+        self.core.grad_sum.zero_()
+        return 0
+
+    def checkpoint_clocks_locked(self) -> dict[int, int]:
+        return dict(self.clock)  # each rank's next step: where its data resumes
+
+    def restore_clocks_locked(self, clocks: dict[int, int]) -> None:
+        self.clock = {int(r): int(c) for r, c in clocks.items()}
+
+    def push(self, conn: RankConnection, step: int, grad: Contribution) -> int:
+        finite = grad.all_finite()
+        core = self.core
+        with core.cond:
+            self._refuse_if_unservable_locked(conn)
+            self._check_clock_locked(conn, step, finite)
+            core.wait_not_stepping_locked(f"applying step {step} of rank {conn.rank}")
+            base = core.version
+            core.grad_sum.zero_()
+            grad.add_to(core.grad_sum)
+            if not core.update_locked(self._apply):
+                raise Refusal(f"generation {conn.generation} was superseded by generation {core.generation}")
+            self.clock[conn.rank] = step + 1
+            self.stats.pushed_locked(conn.rank, step)
+            self.stats.applied_locked([conn.rank])
+            self.stats.staleness_locked(base - conn.pulled_version)
+        return base
+
+    def _apply(self) -> None:
+        self.core.optimizer_step(self.core.grad_sum, 1)
+        self.core.grad_sum.zero_()
+
+    def pull(self, conn: RankConnection, wanted: int) -> int:
+        """PULL(v) waits until version >= v (workers ask for 0: it never blocks)."""
+        core = self.core
+        deadline = self.timeout.deadline()
+        with core.cond:
+            while True:
+                self._refuse_if_unservable_locked(conn)
+                if core.version >= wanted and not core.stepping:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Refusal(self.timeout.message(f"version {wanted} (at {core.version})"), kind=TIMEOUT)
+                core.cond.wait(left)
+            return core.begin_read_locked(conn)
+
+    def push_pull(self, conn: RankConnection, step: int, grad: Contribution) -> int:
+        raise Refusal("PUSH_PULL is not available in async mode (the push's ACK carries the version it "
+                      "was applied to); send PUSH then PULL")
+
+
+POLICIES: dict[str, type[ConsistencyPolicy]] = {"sync": SyncPolicy, "ssp": SspPolicy, "async": AsyncPolicy,
+                                                "average": AveragePolicy}
+
+
+def make_policy(core: ShardCore, roster: Roster, ledger: FailureLedger, stats: ShardStats,
+                consistency: Consistency) -> ConsistencyPolicy:
+    # Consistency validated the mode, so every mode it admits has a policy here.
+    return POLICIES[consistency.mode](core, roster, ledger, stats, consistency)

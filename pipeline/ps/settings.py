@@ -1,0 +1,55 @@
+"""What one parameter server runs with, checked once and passed whole (driver, task-hosted PS, tests).
+
+Why one frozen value instead of keyword arguments: the same settings travel from the config through the
+launcher to every shard and stage server; checking them at construction means a bad value fails on the
+driver before any worker is launched, and a server can never run with half of a changed setting.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pipeline.errors import PSError
+from pipeline.ps.compression import topk_count, wire_dtype
+from pipeline.ps.modes import Consistency
+from pipeline.ps.optim import OptimizerSpec
+from pipeline.wire.deadline import STEP_KEY, Timeout
+
+SHARDS_KEY = "ps.shards"
+TOPK_RATIO_KEY = "ps.topk_ratio"
+
+
+@dataclass(frozen=True)
+class PSSettings:
+    """The optimizer, consistency mode, push compression, shard count and step deadline of one server."""
+
+    optimizer: OptimizerSpec
+    consistency: Consistency = Consistency()
+    compression: str = "none"
+    topk_ratio: float = 0.01
+    shards: int = 1
+    # Every wait of a step (its pushes, a pull, an ssp/average turn, a previous update) and every frame
+    # of a request; its error text names the key that raises it.
+    step_timeout: Timeout = Timeout.of(60.0, STEP_KEY)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, OptimizerSpec):
+            raise PSError(f"PSSettings.optimizer must be an OptimizerSpec, got {type(self.optimizer).__name__}")
+        if not isinstance(self.consistency, Consistency):
+            raise PSError(f"PSSettings.consistency must be a Consistency, got {type(self.consistency).__name__}")
+        if not isinstance(self.step_timeout, Timeout):
+            raise PSError(f"PSSettings.step_timeout must be a pipeline.wire.Timeout, got "
+                          f"{type(self.step_timeout).__name__}")
+        wire_dtype(self.compression)  # names ps.compression and its choices when unknown
+        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)):
+            raise PSError(f"{TOPK_RATIO_KEY} must be a number, got {self.topk_ratio!r}")
+        object.__setattr__(self, "topk_ratio", float(self.topk_ratio))
+        if self.compression == "topk":
+            topk_count(1, self.topk_ratio)  # the ratio's own range check
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise PSError(f"{SHARDS_KEY} must be an integer >= 1, got {self.shards!r}")
+
+    def for_slice(self, num_params: int) -> PSSettings:
+        """These settings for a server of ``num_params`` parameters: never more shards than parameters
+        (a pipeline stage may be smaller than ``ps.shards``)."""
+        return dataclasses.replace(self, shards=min(self.shards, num_params))
