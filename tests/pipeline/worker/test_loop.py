@@ -13,15 +13,16 @@ from pipeline.errors import PSError
 from pipeline.models import ModelSpec, build_model, flat_parameters
 from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
 from pipeline.ps.modes import Consistency, expected_version
+from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault
 from pipeline.worker.plan import Deadlines, FaultPlan, LoaderPlan
-from pipeline.wire.deadline import STEP_KEY, Timeout
 
 
-def _settings(optimizer, **options) -> PSSettings:
+def _settings(optimizer, *, consistency=Consistency(), compression="none", shards=1) -> PSSettings:
     """The servers of these tests: a 10 s step deadline as a bare ps.timeout_s gives it."""
-    return PSSettings(optimizer=optimizer, step_timeout=Timeout.of(10, STEP_KEY), **options)
+    return PSSettings(optimizer=optimizer, consistency=consistency, compression=compression, shards=shards,
+                      step_timeout=Timeout.of(10, STEP_KEY))
 
 
 def _shard(path, rows, seed):
