@@ -3,8 +3,8 @@
 Activations of stage p go forward to stage p+1 and their gradients come back over the same connection.
 The link has the parameter-server wire's properties because it crosses the same untrusted network:
 
-* Both ends prove they hold the job secret for this generation before any tensor moves. The handshake
-  reuses the PS frames (``CHALLENGE``/``AUTH``/``ERROR``) and ``auth_mac``/``verify_mac``, but runs both
+* Both ends prove they hold the job secret for this generation before any tensor moves: the wire's
+  handshake (``pipeline.wire.handshake``, the same frames and HMAC as the parameter server's), run both
   ways: stage p answers stage p+1's nonce, then stage p+1 answers stage p's, because a forged listener
   could otherwise feed stage p made-up gradients.
 * Tensor frames have their own fixed 48-byte header (magic ``SHPL``, so a PS frame arriving on a link, or
@@ -12,7 +12,8 @@ The link has the parameter-server wire's properties because it crosses the same 
   2-D shape, and is validated, element cap included, before a payload byte is read or a buffer
   allocated. Payloads are raw little-endian float32, received straight into the destination tensor;
   nothing is ever unpickled.
-* Every receive has a deadline; its error names what was awaited and the ``ps.timeout_s`` knob.
+* Every receive and send has a deadline (``timeouts.link_s``), accepting and connecting too
+  (``timeouts.connect_s``); each error names what was awaited and the key that sets the wait.
 
 Who connects: stage p+1 opens a :class:`StageListener` (port 0: an ephemeral port, published through
 the launcher) and stage p calls :func:`connect_link` with that address. A stage that both accepts from
@@ -27,7 +28,6 @@ Frame header (little-endian, 48 bytes)::
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import struct
 import time
@@ -37,29 +37,26 @@ from typing import Optional, Union
 
 import torch
 
-from pipeline.errors import AuthenticationError, ProtocolError, PSError, PSTimeoutError
-from pipeline.ps.protocol import (
-    HEADER_SIZE,
-    NONCE_SIZE,
-    U32_MAX,
-    Channel,
-    DType,
-    MsgType,
-    PeerClosedError,
-    auth_mac,
-    deadline_after,
-    set_socket_options,
-    tensor_bytes,
-    verify_mac,
+from pipeline.errors import AuthenticationError, ProtocolError, PSError
+from pipeline.wire.deadline import CONNECT_KEY, LINK_KEY, Timeout, deadline_after
+from pipeline.wire.frames import HEADER_SIZE, U32_MAX, Channel, DType, PeerClosedError, tensor_view
+from pipeline.wire.handshake import (
+    PeerRefused,
+    Refusal,
+    answer,
+    client_handshake,
+    secret_bytes,
+    send_refusal,
+    server_handshake,
 )
+from pipeline.wire.sockets import connect, listen, set_socket_options
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT_KEY = "ps.timeout_s"
 LINK_MAGIC = b"SHPL"
 LINK_VERSION = 1
 LINK_HEADER = struct.Struct("<4sBBBxIIqIIIxxxxQ")
-# Same size as the PS header so the Channel's header buffer and receive loop serve both.
+# Same size as the wire's standard header (the handshake's) so one Channel buffer and receive loop serve both.
 assert LINK_HEADER.size == HEADER_SIZE
 # 64 Mi floats (256 MiB) per frame unless the caller knows better (e.g. micro_rows * widest activation).
 DEFAULT_MAX_ELEMENTS = 1 << 26
@@ -141,7 +138,7 @@ def decode_link_header(data: Union[bytes, bytearray, memoryview], *, max_element
 
 
 class _LinkChannel(Channel):
-    """A PS Channel (handshake frames, send path, byte counts) that also reads link frames."""
+    """A wire Channel (handshake frames, send path, byte counts) that also reads link frames."""
 
     def recv_link_header(self, deadline: Optional[float]) -> LinkHeader:
         self._recv_exact(self._header_view, deadline, frame_start=True)
@@ -153,34 +150,33 @@ class _LinkChannel(Channel):
         return out
 
 
-def _secret_bytes(secret: Secret) -> bytes:
-    return secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
-
-
-def _error_text(channel: Channel, header, deadline: Optional[float]) -> str:
-    try:
-        return str(channel.recv_json(header, deadline).get("error", "no reason given"))
-    except (PSError, OSError):
-        return "no reason given"
+def _waits(timeout_s: Union[float, Timeout],
+           connect_timeout: Union[float, Timeout, None]) -> tuple[Timeout, Timeout]:
+    """(link wait, connect wait): floats become timeouts.link_s / timeouts.connect_s following
+    ps.timeout_s; no connect wait means as long as the link wait."""
+    link = Timeout.of(timeout_s, LINK_KEY)
+    return link, Timeout.of(link.seconds if connect_timeout is None else connect_timeout, CONNECT_KEY)
 
 
 class StageLink:
     """One authenticated connection between stage ``stage`` and its neighbour ``peer_stage``.
 
     Not thread-safe: one thread drives a link (the stage's schedule). ``timeout_s`` bounds every
-    receive and send. A link that saw a protocol error or timeout is closed, because the stream may be
-    out of sync; the step fails and the job restarts the generation.
+    receive and send (a float is ``timeouts.link_s`` following ``ps.timeout_s``). A link that saw a
+    protocol error or timeout is closed, because the stream may be out of sync; the step fails and the
+    job restarts the generation.
     """
 
     def __init__(self, channel: _LinkChannel, *, stage: int, peer_stage: int, rank: int, peer_rank: int,
-                 generation: int, timeout_s: float) -> None:
+                 generation: int, timeout_s: Union[float, Timeout]) -> None:
         self._channel = channel
         self.stage = stage
         self.peer_stage = peer_stage
         self.rank = rank
         self.peer_rank = peer_rank
         self.generation = generation
-        self.timeout_s = timeout_s
+        self.timeout = Timeout.of(timeout_s, LINK_KEY)
+        self.timeout_s = self.timeout.seconds
         self.closed = False
 
     @property
@@ -217,13 +213,11 @@ class StageLink:
                           f"the link to {self._peer()} accepts per frame; use more micro-batches")
         header = LinkHeader(kind, self.generation, self.rank, step, micro, rows, cols)
         try:
-            self._channel.send(header, tensor_bytes(data.reshape(-1)), timeout=self.timeout_s)  # type: ignore[arg-type]
+            self._channel.send(header, tensor_view(data.reshape(-1)), timeout=self.timeout_s)
         except TimeoutError:
             self.close()
-            raise PSTimeoutError(
-                f"timed out after {self.timeout_s:g}s sending {_WHAT[kind]} for step {step} micro-batch "
-                f"{micro} to {self._peer()}; raise {TIMEOUT_KEY} if that stage is just slow"
-            ) from None
+            raise self.timeout.error(f"{_WHAT[kind]} for step {step} micro-batch {micro} to go out to "
+                                     f"{self._peer()}", why="that stage may only be slow") from None
         except ConnectionError:
             self.close()
             raise PSError(f"{self._peer()} closed the link while stage {self.stage} sent {_WHAT[kind]} for step "
@@ -269,10 +263,7 @@ class StageLink:
             return self._channel.recv_link_payload(header, deadline)
         except TimeoutError:
             self.close()
-            raise PSTimeoutError(
-                f"timed out after {self.timeout_s:g}s waiting for {what}; raise {TIMEOUT_KEY} if that stage "
-                "is just slow, otherwise its log says why it stopped"
-            ) from None
+            raise self.timeout.error(what, why="if that stage stopped, its log says why") from None
         except (PeerClosedError, ConnectionError):
             # A reset is a close with our frames still unread on the peer's side: the same story.
             self.close()
@@ -310,40 +301,42 @@ class StageListener:
     """Stage ``stage``'s listening socket for the link from stage ``stage - 1``.
 
     ``port`` 0 binds an ephemeral port; :attr:`address` is what stage ``stage - 1`` connects to.
-    ``expect_rank``, if given, is the only rank accepted as the upstream peer.
+    ``expect_rank``, if given, is the only rank accepted as the upstream peer. ``timeout_s`` bounds the
+    accepted link's receives and sends (``timeouts.link_s``), ``connect_timeout`` the wait in
+    :meth:`accept` (``timeouts.connect_s``; None: as long as ``timeout_s``).
     """
 
     def __init__(self, host: str, secret: Secret, generation: int, *, stage: int, rank: int,
                  expect_rank: Optional[int] = None, port: int = 0,
-                 max_elements: int = DEFAULT_MAX_ELEMENTS, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._secret = _secret_bytes(secret)
+                 max_elements: int = DEFAULT_MAX_ELEMENTS, timeout_s: Union[float, Timeout] = DEFAULT_TIMEOUT_S,
+                 connect_timeout: Union[float, Timeout, None] = None) -> None:
+        self._secret = secret_bytes(secret)
         self.generation = generation
         self.stage = stage
         self.rank = rank
         self.expect_rank = expect_rank
         self.max_elements = max_elements
-        self.timeout_s = timeout_s
-        self._sock = socket.create_server((host, port), backlog=8)
+        self.timeout, self.connect_timeout = _waits(timeout_s, connect_timeout)
+        self.timeout_s = self.timeout.seconds
+        self._sock = listen(host, port, backlog=8)
         self._host = host
 
     @property
     def address(self) -> tuple[str, int]:
         return self._host, self._sock.getsockname()[1]
 
-    def accept(self, timeout_s: Optional[float] = None) -> StageLink:
+    def accept(self, timeout_s: Union[float, Timeout, None] = None) -> StageLink:
         """Wait for stage ``stage - 1`` to connect and authenticate; connections that fail the
-        handshake are refused (ERROR frame, logged) and the wait goes on until the deadline."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
+        handshake are refused (ERROR frame, logged) and the wait goes on until the deadline.
+        ``timeout_s``: the listener's ``connect_timeout`` unless given (a float is ``timeouts.connect_s``)."""
+        wait = self.connect_timeout if timeout_s is None else Timeout.of(timeout_s, CONNECT_KEY)
+        deadline = wait.deadline()
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 host, port = self.address
-                raise PSTimeoutError(
-                    f"timed out after {timeout:g}s waiting for stage {self.stage - 1} to connect to stage "
-                    f"{self.stage}'s link at {host}:{port}; raise {TIMEOUT_KEY} if stages start slowly, "
-                    "otherwise check that executors can reach each other"
-                )
+                raise wait.error(f"stage {self.stage - 1} to connect to stage {self.stage}'s link at "
+                                 f"{host}:{port}", why="check that executors can reach each other")
             self._sock.settimeout(left)
             try:
                 sock, peer = self._sock.accept()
@@ -354,29 +347,17 @@ class StageListener:
                 return link
 
     def _handshake(self, sock: socket.socket, peer: tuple, handshake_s: float) -> Optional[StageLink]:
+        """The wire's server handshake, mutual; then this stage's own admission (generation, rank)."""
         channel = _LinkChannel(sock, max_elements=0)
-        deadline = deadline_after(handshake_s)
-        rank = None
         try:
             set_socket_options(sock)
-            nonce = secrets.token_bytes(NONCE_SIZE)
-            channel.send_bytes(MsgType.CHALLENGE, nonce, generation=self.generation, rank=self.rank,
-                               timeout=handshake_s)
-            header = channel.recv_header(deadline)
-            if header.type is not MsgType.AUTH:
-                raise ProtocolError(f"expected AUTH, got {header.type.name}")
-            mac = channel.recv_bytes(header, deadline)
-            rank, generation = header.rank, header.generation
-            challenge = channel.recv_header(deadline)
-            if challenge.type is not MsgType.CHALLENGE:
-                raise ProtocolError(f"expected CHALLENGE after AUTH, got {challenge.type.name}")
-            their_nonce = channel.recv_bytes(challenge, deadline)
-        except TimeoutError:
-            return self._reject(channel, peer, f"no AUTH within {handshake_s:g}s of connecting")
-        except (PSError, OSError) as exc:
+            claim = server_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
+                                     timeout=handshake_s, mutual=True)
+        except Refusal as exc:
+            return self._reject(channel, peer, exc.reason)
+        except OSError as exc:
             return self._reject(channel, peer, f"handshake failed: {exc}")
-        if not verify_mac(self._secret, nonce, rank, generation, mac):
-            return self._reject(channel, peer, f"authentication failed for rank {rank}: wrong secret")
+        rank, generation = claim.rank, claim.generation
         if generation != self.generation:
             return self._reject(channel, peer, f"rank {rank} belongs to generation {generation} but stage "
                                                f"{self.stage} is at generation {self.generation}; stale task "
@@ -384,24 +365,22 @@ class StageListener:
         if self.expect_rank is not None and rank != self.expect_rank:
             return self._reject(channel, peer, f"rank {rank} is not stage {self.stage - 1} (expected rank "
                                                f"{self.expect_rank})")
+        assert claim.nonce is not None
         try:
-            channel.send_bytes(MsgType.AUTH, auth_mac(self._secret, their_nonce, self.rank, self.generation),
-                               generation=self.generation, rank=self.rank, timeout=handshake_s)
+            answer(channel, self._secret, claim.nonce, generation=self.generation, rank=self.rank,
+                   deadline=deadline_after(handshake_s))
         except (PSError, OSError) as exc:
             return self._reject(channel, peer, f"rank {rank} vanished during the handshake: {exc}")
         channel.max_elements = self.max_elements
         logger.info("stage %s (rank %s) accepted the link from stage %s (rank %s) at %s",
                     self.stage, self.rank, self.stage - 1, rank, peer)
         return StageLink(channel, stage=self.stage, peer_stage=self.stage - 1, rank=self.rank,
-                         peer_rank=rank, generation=self.generation, timeout_s=self.timeout_s)
+                         peer_rank=rank, generation=self.generation, timeout_s=self.timeout)
 
     def _reject(self, channel: Channel, peer: tuple, reason: str) -> None:
         logger.warning("stage %s refused a link connection from %s: %s", self.stage, peer, reason)
-        try:
-            channel.send_json(MsgType.ERROR, {"error": reason[:_MAX_ERROR_CHARS], "kind": "auth"},
-                              generation=self.generation, rank=self.rank, timeout=1.0)
-        except (PSError, OSError):
-            pass
+        send_refusal(channel, reason, generation=self.generation, rank=self.rank, timeout=1.0,
+                     max_chars=_MAX_ERROR_CHARS)
         channel.close()
         return None
 
@@ -420,51 +399,39 @@ class StageListener:
 
 def connect_link(host: str, port: int, secret: Secret, generation: int, *, stage: int, rank: int,
                  expect_rank: Optional[int] = None, max_elements: int = DEFAULT_MAX_ELEMENTS,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> StageLink:
+                 timeout_s: Union[float, Timeout] = DEFAULT_TIMEOUT_S,
+                 connect_timeout: Union[float, Timeout, None] = None) -> StageLink:
     """Connect stage ``stage`` to stage ``stage + 1``'s listener at ``host:port`` and authenticate
-    both ways. ``expect_rank``, if given, is the only rank accepted as the downstream peer."""
-    what = f"the link handshake of stage {stage} (rank {rank}) with stage {stage + 1} at {host}:{port}"
-    secret_b = _secret_bytes(secret)
-    deadline = deadline_after(timeout_s)
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-    except TimeoutError:
-        raise PSTimeoutError(f"timed out after {timeout_s:g}s connecting to stage {stage + 1} at {host}:{port}; "
-                             f"raise {TIMEOUT_KEY} or check that executors can reach each other") from None
-    except OSError as exc:
-        raise PSError(f"stage {stage} (rank {rank}) cannot reach stage {stage + 1} at {host}:{port}: {exc}") from exc
+    both ways. ``expect_rank``, if given, is the only rank accepted as the downstream peer.
+    ``timeout_s`` bounds the link's receives and sends (``timeouts.link_s``), ``connect_timeout``
+    connecting and the handshake (``timeouts.connect_s``; None: as long as ``timeout_s``)."""
+    link_wait, connect_wait = _waits(timeout_s, connect_timeout)
+    who = f"stage {stage} (rank {rank})"
+    what = f"the link handshake of {who} with stage {stage + 1} at {host}:{port}"
+    secret_b = secret_bytes(secret)
+    deadline = connect_wait.deadline()
+    sock = connect(host, port, connect_wait, who=who, peer=f"stage {stage + 1}",
+                   advice="check that executors can reach each other")
     channel = _LinkChannel(sock, max_elements=0)
     try:
-        set_socket_options(sock)
-        header = channel.recv_header(deadline)
-        if header.type is MsgType.ERROR:
-            raise AuthenticationError(_error_text(channel, header, deadline))
-        if header.type is not MsgType.CHALLENGE:
-            raise ProtocolError(f"expected CHALLENGE, got {header.type.name}")
-        nonce = channel.recv_bytes(header, deadline)
-        channel.send_bytes(MsgType.AUTH, auth_mac(secret_b, nonce, rank, generation), generation=generation,
-                           rank=rank, timeout=timeout_s)
-        our_nonce = secrets.token_bytes(NONCE_SIZE)
-        channel.send_bytes(MsgType.CHALLENGE, our_nonce, generation=generation, rank=rank, timeout=timeout_s)
-        header = channel.recv_header(deadline)
-        if header.type is MsgType.ERROR:
-            raise AuthenticationError(f"stage {stage + 1} at {host}:{port} refused stage {stage} (rank {rank}): "
-                                      f"{_error_text(channel, header, deadline)}")
-        if header.type is not MsgType.AUTH:
-            raise ProtocolError(f"expected AUTH, got {header.type.name}")
-        mac = channel.recv_bytes(header, deadline)
-        if header.generation != generation or not verify_mac(secret_b, our_nonce, header.rank, generation, mac):
-            raise AuthenticationError(f"the listener at {host}:{port} failed to prove it holds this job's secret "
-                                      f"for generation {generation}; refusing to send it activations")
-        if expect_rank is not None and header.rank != expect_rank:
-            raise AuthenticationError(f"the listener at {host}:{port} is rank {header.rank}, expected stage "
+        try:
+            claim = client_handshake(channel, secret_b, rank=rank, generation=generation, deadline=deadline,
+                                     mutual=True, peer=f"the listener at {host}:{port}")
+        except PeerRefused as exc:
+            if not exc.answered:
+                raise
+            raise AuthenticationError(f"stage {stage + 1} at {host}:{port} refused {who}: "
+                                      f"{exc.reason}") from None
+        assert claim is not None
+        if expect_rank is not None and claim.rank != expect_rank:
+            raise AuthenticationError(f"the listener at {host}:{port} is rank {claim.rank}, expected stage "
                                       f"{stage + 1} on rank {expect_rank}")
     except AuthenticationError:
         channel.close()
         raise
     except TimeoutError:
         channel.close()
-        raise PSTimeoutError(f"timed out after {timeout_s:g}s during {what}; raise {TIMEOUT_KEY}") from None
+        raise connect_wait.error(what) from None
     except PeerClosedError:
         channel.close()
         raise AuthenticationError(f"stage {stage + 1} at {host}:{port} closed the connection during {what} "
@@ -474,6 +441,6 @@ def connect_link(host: str, port: int, secret: Secret, generation: int, *, stage
         raise AuthenticationError(f"{what} failed: {exc}") from exc
     channel.max_elements = max_elements
     logger.info("stage %s (rank %s) linked to stage %s (rank %s) at %s:%s", stage, rank, stage + 1,
-                header.rank, host, port)
-    return StageLink(channel, stage=stage, peer_stage=stage + 1, rank=rank, peer_rank=header.rank,
-                     generation=generation, timeout_s=timeout_s)
+                claim.rank, host, port)
+    return StageLink(channel, stage=stage, peer_stage=stage + 1, rank=rank, peer_rank=claim.rank,
+                     generation=generation, timeout_s=link_wait)

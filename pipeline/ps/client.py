@@ -4,7 +4,9 @@ Why the client deadlines are what they are: the server answers a PULL only after
 pushed, and it fails a PULL itself after ``ps.timeout_s`` with a message naming the missing ranks.
 The client therefore waits a little longer than ``timeout_s`` for PULL answers, so that the
 server's (more informative) error arrives first; its own timeout only fires when the server itself
-is unreachable. A client is used by one thread (the worker's training loop).
+is unreachable. Every timeout error names the key of its wait: ``timeouts.step_s`` for the per-step
+waits, ``timeouts.connect_s`` for connecting and the handshake (each follows ``ps.timeout_s`` when
+unset). A client is used by one thread (the worker's training loop).
 
 Shards (``ps.shards``): the address a worker is given is shard 0's; its WELCOME lists every shard's
 address and ``[start, end)`` slice, and the client keeps one authenticated connection per shard
@@ -16,30 +18,24 @@ other shard's reply to the same request was read, so all connections stay in ste
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import socket
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError
 from pipeline.ps.compression import Compressor
-from pipeline.ps.protocol import (
-    U32_MAX,
-    Channel,
-    Header,
-    MsgType,
-    PeerClosedError,
-    auth_mac,
-    deadline_after,
-    set_socket_options,
-)
+from pipeline.ps.protocol import U32_MAX, Channel, Header, MsgType
+from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
+from pipeline.wire.frames import PeerClosedError
+from pipeline.wire.handshake import client_handshake, refusal_text
+from pipeline.wire.sockets import connect
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT_KEY = "ps.timeout_s"
 _MAX_FAIL_ERROR_CHARS = 16 * 1024
 _MAX_FAIL_LOG_CHARS = 256 * 1024
 _FAIL_TIMEOUT_S = 5.0
@@ -89,27 +85,34 @@ class _Link:
         return self.end - self.start
 
 
-def _pull_wait_s(timeout_s: float) -> float:
+def _pull_wait(timeout: Timeout) -> Timeout:
     """How long a PULL may take: the server's own deadline plus a margin for its ERROR to arrive."""
-    return timeout_s + max(0.5, 0.25 * timeout_s)
+    return dataclasses.replace(timeout, seconds=timeout.seconds + max(0.5, 0.25 * timeout.seconds))
 
 
 class PSClient:
     """Blocking client of one worker rank. Context manager: connects on enter, closes on exit
     (sending a best-effort FAIL if the block raised). Call ``finish()`` when training is done;
-    closing without it is recorded by the server as a failure of this rank."""
+    closing without it is recorded by the server as a failure of this rank.
+
+    ``timeout_s`` bounds the per-step waits (a float is ``timeouts.step_s`` following ``ps.timeout_s``);
+    ``connect_timeout`` bounds connecting and the handshake (``timeouts.connect_s``; None: as long as
+    ``timeout_s``)."""
 
     def __init__(self, host: str, port: int, *, rank: int, secret: bytes, generation: int = 1,
-                 timeout_s: float = 60.0, log_tail: Callable[[], str] | None = None) -> None:
+                 timeout_s: Union[float, Timeout] = 60.0,
+                 connect_timeout: Union[float, Timeout, None] = None,
+                 log_tail: Callable[[], str] | None = None) -> None:
         if not 0 <= rank <= U32_MAX or not 0 <= generation <= U32_MAX:
             raise PSError(f"rank {rank} and generation {generation} must fit an unsigned 32-bit field")
-        if not timeout_s > 0:
-            raise PSError(f"{TIMEOUT_KEY} must be > 0, got {timeout_s}")
+        self.step_timeout = Timeout.of(timeout_s, STEP_KEY)
+        self.connect_timeout = Timeout.of(
+            self.step_timeout.seconds if connect_timeout is None else connect_timeout, CONNECT_KEY)
         self.host = host
         self.port = int(port)
         self.rank = rank
         self.generation = generation
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = self.step_timeout.seconds
         # The FAIL sent when the `with` body raises carries this rank's recent log lines.
         self._log_tail = log_tail
         self._secret = bytes(secret)
@@ -162,18 +165,18 @@ class PSClient:
     def connect(self) -> ServerInfo:
         """Connect and authenticate (CHALLENGE -> AUTH -> WELCOME) with shard 0, then with every other
         shard its WELCOME lists. Idempotent while connected."""
-        return self._connect(self.timeout_s)
+        return self._connect(self.connect_timeout)
 
-    def _connect(self, timeout_s: float) -> ServerInfo:
+    def _connect(self, timeout: Timeout) -> ServerInfo:
         if self._links and self._info is not None:
             return self._info
         self._ever_connected = True
-        channel, info = self._handshake(self.host, self.port, timeout_s)
+        channel, info = self._handshake(self.host, self.port, timeout)
         shards = info.shards or (ShardInfo(self.host, self.port, 0, info.num_params),)
         links = [_Link(0, self.host, self.port, shards[0].start, shards[0].end, channel)]
         try:
             for index, shard in enumerate(shards[1:], start=1):
-                other, other_info = self._handshake(shard.host, shard.port, timeout_s)
+                other, other_info = self._handshake(shard.host, shard.port, timeout)
                 links.append(_Link(index, shard.host, shard.port, shard.start, shard.end, other))
                 if (other_info.num_params, other_info.shards, other_info.mode) != (
                         info.num_params, info.shards, info.mode):
@@ -199,35 +202,19 @@ class PSClient:
                     self.rank, self.host, self.port, info.version, len(links))
         return info
 
-    def _handshake(self, host: str, port: int, timeout_s: float) -> tuple[Channel, ServerInfo]:
-        what = f"the handshake with the parameter server at {host}:{port}"
-        deadline = deadline_after(timeout_s)
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
-        except TimeoutError:
-            raise PSTimeoutError(
-                f"timed out after {timeout_s:g}s connecting to the parameter server at "
-                f"{host}:{port} (rank {self.rank}); raise {TIMEOUT_KEY} or check that "
-                "executors can reach the driver"
-            ) from None
-        except OSError as exc:
-            raise PSError(f"rank {self.rank} cannot reach the parameter server at "
-                          f"{host}:{port}: {exc}") from exc
-        set_socket_options(sock)
+    def _handshake(self, host: str, port: int, timeout: Timeout) -> tuple[Channel, ServerInfo]:
+        """Connect, answer the CHALLENGE (``pipeline.wire.handshake``), read the WELCOME."""
+        deadline = timeout.deadline()
+        sock = connect(host, port, timeout, who=f"rank {self.rank}", peer="the parameter server",
+                       advice="check that executors can reach the driver")
         channel = Channel(sock, max_elements=0)
         try:
-            header = channel.recv_header(deadline)
-            if header.type is MsgType.ERROR:
-                raise AuthenticationError(self._error_text(channel, header, deadline))
-            if header.type is not MsgType.CHALLENGE:
-                raise ProtocolError(f"expected CHALLENGE, got {header.type.name}")
-            nonce = channel.recv_bytes(header, deadline)
-            channel.send_bytes(MsgType.AUTH, auth_mac(self._secret, nonce, self.rank, self.generation),
-                               generation=self.generation, rank=self.rank, timeout=timeout_s)
+            client_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
+                             deadline=deadline)
             header = channel.recv_header(deadline)
             if header.type is MsgType.ERROR:
                 raise AuthenticationError(
-                    f"parameter server refused rank {self.rank}: {self._error_text(channel, header, deadline)}"
+                    f"parameter server refused rank {self.rank}: {refusal_text(channel, header, deadline)}"
                 )
             if header.type is not MsgType.WELCOME:
                 raise ProtocolError(f"expected WELCOME, got {header.type.name}")
@@ -237,7 +224,8 @@ class PSClient:
             raise
         except TimeoutError:
             channel.close()
-            raise PSTimeoutError(self._timeout_text(what, timeout_s)) from None
+            raise self._timeout_error(f"the handshake with the parameter server at {host}:{port}",
+                                      timeout, at=False) from None
         except PeerClosedError:
             channel.close()
             raise AuthenticationError(
@@ -272,7 +260,7 @@ class PSClient:
 
     def _receive_params(self, links: list[_Link], what: str) -> tuple[int, torch.Tensor]:
         """Read every shard's PARAMS reply straight into its slice of the reusable buffer."""
-        wait_s = _pull_wait_s(self.timeout_s)
+        wait = _pull_wait(self.step_timeout)
         assert self._params_buf is not None and self._params is not None
         view = memoryview(self._params_buf)
 
@@ -280,10 +268,10 @@ class PSClient:
             if header.count != link.size:
                 raise ProtocolError(f"PARAMS of {header.count} elements from shard {link.index}, "
                                     f"expected {link.size}")
-            link.channel.recv_into(header, view[link.start * 4:link.end * 4], deadline_after(wait_s))
+            link.channel.recv_into(header, view[link.start * 4:link.end * 4], deadline_after(wait))
             return header.step
 
-        versions = self._gather(links, MsgType.PARAMS, what, wait_s, receive)
+        versions = self._gather(links, MsgType.PARAMS, what, wait, receive)
         return min(versions), self._params
 
     @property
@@ -305,7 +293,7 @@ class PSClient:
         assert self._info is not None
         what = f"the ACK of the gradient for step {step}"
         self._send_gradient(links, MsgType.PUSH, self._flat_gradient(step, grad), step, what)
-        return min(self._gather(links, MsgType.ACK, what, _pull_wait_s(self.timeout_s),
+        return min(self._gather(links, MsgType.ACK, what, _pull_wait(self.step_timeout),
                                 lambda link, header: header.step))
 
     def push_pull(self, step: int, grad: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -343,22 +331,22 @@ class PSClient:
         self._send_all(links, lambda link: link.channel.send_json(
             MsgType.METRICS, dict(metrics), generation=self.generation, rank=self.rank,
             timeout=self.timeout_s), what)
-        self._gather(links, MsgType.ACK, what, self.timeout_s, lambda link, header: header.step)
+        self._gather(links, MsgType.ACK, what, self.step_timeout, lambda link, header: header.step)
 
     def fail(self, error: str, log_tail: str = "") -> None:
         """Tell every shard this rank failed, so its peers stop waiting at once. Best effort: never
         raises, connects first if this client never connected, waits a few seconds at most."""
-        wait_s = min(self.timeout_s, _FAIL_TIMEOUT_S)
+        wait = self.step_timeout.shorter(_FAIL_TIMEOUT_S)
         try:
             if not self._links and not self._ever_connected:
-                self._connect(wait_s)
+                self._connect(self.connect_timeout.shorter(_FAIL_TIMEOUT_S))
             links = self._require()
             body = {"error": str(error)[:_MAX_FAIL_ERROR_CHARS],
                     "log_tail": str(log_tail)[-_MAX_FAIL_LOG_CHARS:]}
             what = "the ACK of a FAIL report"
             self._send_all(links, lambda link: link.channel.send_json(
-                MsgType.FAIL, body, generation=self.generation, rank=self.rank, timeout=wait_s), what)
-            self._gather(links, MsgType.ACK, what, wait_s, lambda link, header: header.step)
+                MsgType.FAIL, body, generation=self.generation, rank=self.rank, timeout=wait.seconds), what)
+            self._gather(links, MsgType.ACK, what, wait, lambda link, header: header.step)
         except Exception as exc:  # best effort by contract
             logger.warning("rank %s could not report its failure to the parameter server: %s",
                            self.rank, exc)
@@ -370,7 +358,7 @@ class PSClient:
         try:
             self._send_all(links, lambda link: link.channel.send_empty(
                 MsgType.FINISH, generation=self.generation, rank=self.rank, timeout=self.timeout_s), what)
-            self._gather(links, MsgType.ACK, what, self.timeout_s, lambda link, header: header.step)
+            self._gather(links, MsgType.ACK, what, self.step_timeout, lambda link, header: header.step)
         finally:
             self.close()
 
@@ -407,16 +395,16 @@ class PSClient:
                 raise
             except Exception as exc:
                 self._drop()
-                raise self._translate(exc, link, f"sending the request for {what}", self.timeout_s) from None
+                raise self._translate(exc, link, f"sending the request for {what}", self.step_timeout) from None
 
-    def _gather(self, links: list[_Link], msg_type: MsgType, what: str, wait_s: float,
+    def _gather(self, links: list[_Link], msg_type: MsgType, what: str, wait: Timeout,
                 receive: Callable[[_Link, Header], int]) -> list[int]:
         """Read each link's reply (``receive`` reads a payload and returns a step). A server ERROR is
         raised after the other links' replies were read; a broken stream drops every link at once."""
         results: list[int] = []
         refused: PSError | None = None
         for link in links:
-            deadline = deadline_after(wait_s)
+            deadline = wait.deadline()
             try:
                 header = link.channel.recv_header(deadline)
                 if header.type is MsgType.ERROR:
@@ -430,7 +418,7 @@ class PSClient:
             except Exception as exc:
                 self._drop()
                 # The server's own explanation, if a shard already gave one, beats a broken stream.
-                raise (refused or self._translate(exc, link, what, wait_s)) from None
+                raise (refused or self._translate(exc, link, what, wait)) from None
             error = self._refusal(body)
             refused = refused or error
             if isinstance(error, ProtocolError):
@@ -451,9 +439,9 @@ class PSClient:
             return NonFiniteError(text)
         return PSError(text)
 
-    def _translate(self, exc: Exception, link: _Link, what: str, wait_s: float) -> PSError:
+    def _translate(self, exc: Exception, link: _Link, what: str, wait: Timeout) -> PSError:
         if isinstance(exc, TimeoutError):
-            return PSTimeoutError(self._timeout_text(what, wait_s, link))
+            return self._timeout_error(what, wait, link)
         if isinstance(exc, PeerClosedError):
             return PSError(f"the parameter server at {link.host}:{link.port} closed the connection of "
                            f"rank {self.rank} while it waited for {what}")
@@ -464,15 +452,13 @@ class PSClient:
                            f"{link.host}:{link.port} while waiting for {what}: {exc}")
         return PSError(f"rank {self.rank}: unexpected error while waiting for {what}: {exc!r}")
 
-    def _timeout_text(self, what: str, wait_s: float, link: _Link | None = None) -> str:
-        host, port = (link.host, link.port) if link is not None else (self.host, self.port)
-        return (f"rank {self.rank} timed out after {wait_s:g}s waiting for {what} from the parameter "
-                f"server at {host}:{port}; raise {TIMEOUT_KEY} if the server is only slow")
-
-    @staticmethod
-    def _error_text(channel: Channel, header: Header, deadline: float | None) -> str:
-        body = channel.recv_json(header, deadline)
-        return str(body.get("error", "unspecified error"))
+    def _timeout_error(self, what: str, wait: Timeout, link: Optional[_Link] = None, *,
+                       at: bool = True) -> PSTimeoutError:
+        """"rank R timed out after Xs waiting for <what> [from the parameter server at H:P]; raise <key>"."""
+        if at:
+            host, port = (link.host, link.port) if link is not None else (self.host, self.port)
+            what = f"{what} from the parameter server at {host}:{port}"
+        return PSTimeoutError(f"rank {self.rank} {wait.message(what)}")
 
     @staticmethod
     def _parse_welcome(body: dict[str, Any]) -> ServerInfo:

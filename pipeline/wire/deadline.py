@@ -61,3 +61,21 @@ class Timeout:
     def shorter(self, seconds: float) -> "Timeout":
         """The same knob capped at ``seconds`` (e.g. a grace period that never exceeds the wait it bounds)."""
         return Timeout(min(self.seconds, seconds), self.key, self.inherited_from)
+
+
+def deadline_after(wait: Union[Timeout, float, None]) -> Optional[float]:
+    """Monotonic deadline ``wait`` (seconds or a Timeout) from now; None means wait without limit."""
+    if wait is None:
+        return None
+    return time.monotonic() + (wait.seconds if isinstance(wait, Timeout) else wait)
+
+
+def remaining(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left until ``deadline`` (None: no limit); raises TimeoutError once it has passed, so a
+    socket wait that has no time left fails the same way as one that ran out."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    return left
