@@ -6,14 +6,12 @@ lives here once, so a change to e.g. how a failure reaches the server applies to
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from pipeline.wire.deadline import Timeout
 from pipeline.worker.plan import FaultPlan, WorkerPlan
 
 if TYPE_CHECKING:  # keep torch and the client out of module import time
@@ -68,37 +66,14 @@ def make_train_loader(plan: WorkerPlan, *, rank: Optional[int] = None,
                            reader_threads=loader.reader_threads, reader=loader.reader)
 
 
-# -- deadlines -------------------------------------------------------------------------------------
-def takes_timeout(fn: Callable, parameter: str) -> bool:
-    """Whether ``fn``'s ``parameter`` is declared to take a :class:`Timeout` (not only seconds).
-
-    Compatibility while pipeline.wire/ps/parallel move their waits to Timeout: until a signature says
-    so, callers pass ``timeout.seconds`` (and lose only the key in that callee's own messages)."""
-    try:
-        annotation = inspect.signature(fn).parameters[parameter].annotation
-    except (KeyError, TypeError, ValueError):
-        return False
-    return "Timeout" in str(annotation)
-
-
-def wait_kwargs(fn: Callable, **waits: Timeout) -> dict[str, Union[Timeout, float]]:
-    """``waits`` (parameter name -> Timeout) as ``fn`` takes them: the Timeout where its signature says
-    so, else its seconds; a parameter ``fn`` does not have yet is left out (its other wait covers it)."""
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        parameters = {}
-    return {name: timeout if takes_timeout(fn, name) else timeout.seconds
-            for name, timeout in waits.items() if name in parameters}
-
-
 # -- the PS session --------------------------------------------------------------------------------
 def _client(plan: WorkerPlan, host: str, port: int, secret: bytes, rank: int,
             log_tail: Optional[Callable[[], str]]) -> PSClient:
     from pipeline.ps import PSClient
 
-    waits = wait_kwargs(PSClient, timeout_s=plan.deadlines.step, connect_timeout=plan.deadlines.connect)
-    return PSClient(host, port, rank=rank, secret=secret, generation=plan.generation, log_tail=log_tail, **waits)
+    # Each wait's error names its own key: timeouts.step_s for a step, timeouts.connect_s for connecting.
+    return PSClient(host, port, rank=rank, secret=secret, generation=plan.generation,
+                    timeout_s=plan.deadlines.step, connect_timeout=plan.deadlines.connect, log_tail=log_tail)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from pipeline.errors import PSError
 from pipeline.worker.guards import batch_inputs, check_finite, keeps_its_type, model_input_error
 from pipeline.worker.plan import StagePlan, WorkerPlan
 from pipeline.worker.skeleton import (FaultHooks, LogStream, WorkerResult, failures_reported, final_parameters,
-                                      make_train_loader, ps_session, seed_rank, wait_kwargs)
+                                      make_train_loader, ps_session, seed_rank)
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +116,12 @@ class _links:
         plan, grid, deadlines = self.plan, self.grid, self.plan.deadlines
         try:
             if not grid.is_first:
-                listener = self.wiring.listener
-                self.prev = listener.accept(**wait_kwargs(listener.accept, timeout_s=deadlines.connect))
+                self.prev = self.wiring.listener.accept(deadlines.connect)
             if not grid.is_last:
                 host, port = self.wiring.next_address
-                waits = wait_kwargs(connect_link, timeout_s=deadlines.link, connect_timeout=deadlines.connect)
                 self.next = connect_link(host, int(port), self.secret, plan.generation, stage=grid.stage,
-                                         rank=plan.rank, expect_rank=plan.rank + 1, **waits)
+                                         rank=plan.rank, expect_rank=plan.rank + 1, timeout_s=deadlines.link,
+                                         connect_timeout=deadlines.connect)
         except PSError as exc:
             self.__exit__(None, None, None)
             raise StageLinkError(f"{LINK_CONSEQUENCE} of stage {grid.stage} could not be set up: {exc}") from exc

@@ -1,6 +1,5 @@
 """Failures a retry cannot cure come out of the worker typed (NonFiniteError, ModelInputError), flat and
 staged, with ps and allreduce; a broken process group or link keeps its own (retryable) type."""
-import inspect
 import socket
 import threading
 
@@ -14,7 +13,7 @@ from pipeline.errors import ModelInputError, NonFiniteError, PSError, PSTimeoutE
 from pipeline.models import ModelSpec, build_model, flat_parameters
 from pipeline.parallel.link import StageListener
 from pipeline.parallel.stages import stage_slices
-from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
+from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
 from pipeline.ps.staged import StagedParameterServer
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
@@ -55,13 +54,8 @@ def _plan(tmp_path, spec, rank, world, *, backend="ps", stage=None):
                       deadlines=Deadlines.all(10))
 
 
-def _server_kwargs():
-    """The PS's settings in whichever form its constructor takes (keywords, or one PSSettings)."""
-    if "settings" in inspect.signature(ParameterServer).parameters:
-        from pipeline.ps.settings import PSSettings
-
-        return {"settings": PSSettings(optimizer=OPTIMIZER, step_timeout=Timeout.of(10, STEP_KEY))}
-    return {"optimizer": OPTIMIZER, "timeout_s": 10}
+def _settings():
+    return PSSettings(optimizer=OPTIMIZER, step_timeout=Timeout.of(10, STEP_KEY))
 
 
 def _in_threads(calls):
@@ -86,8 +80,8 @@ def _in_threads(calls):
 def _train_flat(tmp_path, factory, world=2):
     spec = _spec(factory)
     secret = new_secret()
-    with ParameterServer(flat_parameters(build_model(spec)), world_size=world, secret=secret, host="127.0.0.1",
-                         **_server_kwargs()) as server:
+    with ParameterServer(flat_parameters(build_model(spec)), _settings(), world_size=world, secret=secret,
+                         host="127.0.0.1") as server:
         plans = [_plan(tmp_path, spec, r, world) for r in range(world)]
         _, errors = _in_threads({p.rank: (lambda p=p: run(p, *server.address, secret)) for p in plans})
         return errors, server.version
@@ -103,8 +97,8 @@ def _train_allreduce(tmp_path, factory):
     """One rank of train.backend=allreduce (a one-rank gloo group: DDP wraps the model as with many)."""
     spec = _spec(factory)
     secret = new_secret()
-    with ParameterServer(flat_parameters(build_model(spec)), world_size=1, secret=secret, host="127.0.0.1",
-                         **_server_kwargs()) as server:
+    with ParameterServer(flat_parameters(build_model(spec)), _settings(), world_size=1, secret=secret,
+                         host="127.0.0.1") as server:
         plan = _plan(tmp_path, spec, 0, 1, backend="allreduce")
         with pytest.raises(Exception) as caught:
             run(plan, *server.address, secret,
@@ -122,8 +116,7 @@ def _train_staged(tmp_path, factory, stages=2):
                                                               micro_batches=2)) for s in range(stages)]
     listeners = {s: StageListener("127.0.0.1", secret, 1, stage=s, rank=s, expect_rank=s - 1, timeout_s=10)
                  for s in range(1, stages)}
-    kwargs = _server_kwargs()
-    with StagedParameterServer(initial, ranges, replicas=1, secret=secret, host="127.0.0.1", **kwargs) as server:
+    with StagedParameterServer(initial, ranges, _settings(), replicas=1, secret=secret, host="127.0.0.1") as server:
         def call(plan):
             s = plan.rank
             wiring = StageWiring(listeners.get(s), listeners[s + 1].address if s < stages - 1 else None)
