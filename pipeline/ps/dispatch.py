@@ -164,6 +164,8 @@ def deliver(ctx: RequestContext, conn: RankConnection, reply: Reply) -> None:
         case Ack(step=step):
             conn.channel.send_empty(MsgType.ACK, generation=conn.generation, rank=conn.rank, step=step,
                                     timeout=ctx.step_timeout.seconds)
+        case _:
+            raise TypeError(f"a handler returned {reply!r}, which is no reply type")
 
 
 def serve_request(ctx: RequestContext, conn: RankConnection, header: Header) -> bool:

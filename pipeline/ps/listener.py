@@ -16,6 +16,7 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline.errors import PSError, ProtocolError
@@ -24,7 +25,6 @@ from pipeline.ps.messages import AUTH, send_error
 from pipeline.ps.protocol import (
     NONCE_SIZE,
     Channel,
-    Header,
     MsgType,
     deadline_after,
     set_buffer_sizes,
@@ -52,9 +52,17 @@ class HandshakeRejected(Exception):
         self.rank = rank
 
 
-def authenticate(channel: Channel, *, secret: bytes, generation: int, timeout: Timeout) -> Header:
+@dataclass(frozen=True)
+class Claim:
+    """A verified AUTH: the peer holds the secret for ``rank`` and ``generation`` (admission is next)."""
+
+    rank: int
+    generation: int
+
+
+def authenticate(channel: Channel, *, secret: bytes, generation: int, timeout: Timeout) -> Claim:
     """CHALLENGE with a fresh nonce, then the peer's AUTH must carry the MAC of the secret over it,
-    bound to the rank and generation it claims. Returns that AUTH header; raises HandshakeRejected."""
+    bound to the rank and generation it claims. Returns that claim; raises HandshakeRejected."""
     nonce = secrets.token_bytes(NONCE_SIZE)
     handshake_s = timeout.shorter(HANDSHAKE_S).seconds
     deadline = deadline_after(handshake_s)
@@ -70,14 +78,14 @@ def authenticate(channel: Channel, *, secret: bytes, generation: int, timeout: T
         raise HandshakeRejected(f"handshake failed: {exc}") from None
     if not verify_mac(secret, nonce, header.rank, header.generation, mac):
         raise HandshakeRejected(f"authentication failed for rank {header.rank}: wrong secret")
-    return header
+    return Claim(header.rank, header.generation)
 
 
 class ConnectionHost(Protocol):
     """What the listener needs of its shard (``shard.ShardServer``)."""
 
     def current_generation(self) -> int: ...
-    def admit(self, auth: Header, channel: Channel) -> tuple[RankConnection, dict[str, Any]]:
+    def admit(self, claim: Claim, channel: Channel) -> tuple[RankConnection, dict[str, Any]]:
         """Register an authenticated rank, returning it and its WELCOME; raises HandshakeRejected."""
     def serve(self, conn: RankConnection, peer: tuple) -> None: ...
     def release_locked(self, conn: RankConnection) -> None: ...
@@ -213,9 +221,9 @@ class ShardListener:
     def _handshake(self, channel: Channel, peer: tuple) -> RankConnection | None:
         """Authenticate, admit, WELCOME. Returns the registered connection, or None if rejected."""
         try:
-            auth = authenticate(channel, secret=self._secret, generation=self._owner.current_generation(),
-                                timeout=self._timeout)
-            conn, welcome = self._owner.admit(auth, channel)
+            claim = authenticate(channel, secret=self._secret, generation=self._owner.current_generation(),
+                                 timeout=self._timeout)
+            conn, welcome = self._owner.admit(claim, channel)
         except HandshakeRejected as rejected:
             self._reject(channel, peer, rejected)
             return None

@@ -29,11 +29,11 @@ from pipeline.ps.connection import RankConnection, Roster, ShardAddress
 from pipeline.ps.core import ShardCore
 from pipeline.ps.dispatch import serve_requests
 from pipeline.ps.failures import FailureLedger, FailureSink, drop_text
-from pipeline.ps.listener import HandshakeRejected, ShardListener
+from pipeline.ps.listener import Claim, HandshakeRejected, ShardListener
 from pipeline.ps.messages import ERROR
 from pipeline.ps.modes import Consistency
 from pipeline.ps.policies import ConsistencyPolicy, make_policy
-from pipeline.ps.protocol import U32_MAX, Channel, DType, Header
+from pipeline.ps.protocol import U32_MAX, Channel, DType
 from pipeline.ps.settings import PSSettings
 from pipeline.ps.stats import ShardStats
 from pipeline.wire.deadline import Timeout
@@ -302,13 +302,13 @@ class ShardServer:
     def current_generation(self) -> int:
         return self.generation
 
-    def admit(self, auth: Header, channel: Channel) -> tuple[RankConnection, dict[str, Any]]:
+    def admit(self, claim: Claim, channel: Channel) -> tuple[RankConnection, dict[str, Any]]:
         """Register an authenticated rank; raises HandshakeRejected when it may not join now."""
-        rank, core = auth.rank, self._core
+        rank, core = claim.rank, self._core
         with self._cond:
             reason = None
-            if auth.generation != core.generation:
-                reason = (f"rank {rank} belongs to generation {auth.generation} but the server is at "
+            if claim.generation != core.generation:
+                reason = (f"rank {rank} belongs to generation {claim.generation} but the server is at "
                           f"generation {core.generation}; stale task from an earlier attempt")
             elif rank >= self._world_size:
                 reason = f"rank {rank} is out of range for world_size {self._world_size}"
@@ -320,7 +320,7 @@ class ShardServer:
             elif rank in self._roster.connected:
                 reason = f"rank {rank} is already connected in generation {core.generation}"
             if reason is not None:
-                raise HandshakeRejected(reason, ERROR, generation=auth.generation, rank=rank)
+                raise HandshakeRejected(reason, ERROR, generation=claim.generation, rank=rank)
             conn = RankConnection(rank, core.generation, channel, bytearray(self._push_buf_bytes))
             self._roster.add_locked(conn)
             version = core.version
