@@ -114,8 +114,9 @@ class ShardListener:
         self._open_channels: set[Channel] = set()
         self.address: tuple[str, int] | None = None
 
-    def start(self) -> tuple[str, int]:
-        """Bind ``host:port`` (port 0 = OS-chosen) and start accepting; returns the bound address."""
+    def bind(self) -> tuple[str, int]:
+        """Bind ``host:port`` (port 0 = OS-chosen); returns the bound address. Nothing is accepted
+        before ``start_accepting()``, so the shard can finish what every WELCOME announces first."""
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         try:
             listener = socket.create_server((self._host, self._port), family=family, backlog=128)
@@ -125,11 +126,14 @@ class ShardListener:
         listener.settimeout(_ACCEPT_POLL_S)
         set_buffer_sizes(listener)  # inherited by accepted sockets, so it is in place from the SYN on
         self._listener = listener
-        self.address = tuple(listener.getsockname()[:2])  # type: ignore[assignment]
+        host, port = listener.getsockname()[:2]
+        self.address = (host, port)
+        return self.address
+
+    def start_accepting(self) -> None:
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"ps-accept-{self._index}")
         self._accept_thread.start()
-        return self.address  # type: ignore[return-value]
 
     def live_bytes_locked(self) -> tuple[int, int]:
         """(received, sent) of the connections still open; closed ones are folded into the stats."""

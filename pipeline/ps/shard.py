@@ -94,10 +94,11 @@ class ShardServer:
             if self._core.closed:
                 raise PSError("the parameter server is closed")
             self._started = True
-        host, port = self._listener.start()
+        host, port = self._listener.bind()
         end = self._start + self._core.num_params
         if self._layout is None:  # standalone: the only shard
             self._layout = [ShardAddress(host, port, self._start, end)]
+        self._listener.start_accepting()
         logger.info("parameter server shard %s listening on %s:%s (world_size=%s, params [%s, %s), "
                     "generation=%s)", self._shard_index, host, port, self._world_size, self._start, end,
                     self._core.generation)
