@@ -1,4 +1,4 @@
-"""The authenticated stage-to-stage link: handshake both ways, validated frames, deadlines."""
+"""The authenticated stage-to-stage link: handshake both ways, validated frames, deadlines that name their key."""
 import secrets
 import socket
 import threading
@@ -18,7 +18,9 @@ from pipeline.parallel.link import (
     connect_link,
     decode_link_header,
 )
-from pipeline.ps.protocol import HEADER_SIZE, NONCE_SIZE, Channel, DType, Header, MsgType, PeerClosedError
+from pipeline.ps.protocol import Header, MsgType  # a parameter-server frame, sent where it does not belong
+from pipeline.wire.deadline import CONNECT_KEY, LINK_KEY, Timeout
+from pipeline.wire.frames import HEADER_SIZE, NONCE_SIZE, Channel, DType, PeerClosedError
 
 SECRET = b"job-secret"
 GEN = 3
@@ -193,3 +195,31 @@ def test_a_ps_frame_on_a_link_fails_on_the_magic():
         up._channel.send(Header(MsgType.PUSH, GEN, 0, 12, DType.FLOAT32, 1, 4), b"\0\0\0\0", timeout=5)
         with pytest.raises(ProtocolError, match="bad magic"):
             down.recv_activation(12, 0)
+
+
+def test_each_wait_names_its_own_key():
+    """Link waits are timeouts.link_s, accepting and connecting timeouts.connect_s; Timeouts pass through."""
+    up, down = linked_pair(timeout_s=Timeout(0.3, LINK_KEY))
+    with up, down:
+        with pytest.raises(PSTimeoutError, match=r"after 0.3s waiting for activations for step 1 micro-batch 0 "
+                                                 r"from stage 0 \(rank 0\);.*; raise timeouts.link_s$"):
+            down.recv_activation(1, 0)
+    with StageListener("127.0.0.1", SECRET, GEN, stage=1, rank=1, timeout_s=Timeout(30, LINK_KEY),
+                       connect_timeout=0.2) as listener:
+        assert listener.timeout_s == 30
+        with pytest.raises(PSTimeoutError, match=r"after 0.2s waiting for stage 0 to connect to stage 1's link.*"
+                                                 r"raise timeouts.connect_s \(unset: it follows ps.timeout_s\)$"):
+            listener.accept()
+        with pytest.raises(PSTimeoutError, match=r"after 0.1s .*raise timeouts.connect_s$"):
+            listener.accept(Timeout(0.1, CONNECT_KEY))
+
+
+def test_a_silent_listener_times_out_the_connect_wait():
+    server = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) but never sends its CHALLENGE
+    try:
+        with pytest.raises(PSTimeoutError, match=r"after 0.2s waiting for the link handshake of stage 0 \(rank 0\) "
+                                                 r"with stage 1 at .*raise timeouts.connect_s \(unset"):
+            connect_link("127.0.0.1", server.getsockname()[1], SECRET, GEN, stage=0, rank=0, timeout_s=30,
+                         connect_timeout=0.2)
+    finally:
+        server.close()

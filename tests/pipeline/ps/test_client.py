@@ -10,7 +10,9 @@ import torch
 
 from pipeline.errors import AuthenticationError, PSError, PSTimeoutError
 from pipeline.ps import PSClient, new_secret
-from pipeline.ps.protocol import MAX_JSON_BYTES, Channel, MsgType, PeerClosedError
+from pipeline.ps.protocol import Channel, MsgType
+from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout
+from pipeline.wire.frames import MAX_JSON_BYTES, PeerClosedError
 
 
 class SilentServer:
@@ -139,3 +141,29 @@ def test_fail_connects_first_and_never_raises(make_server, make_client) -> None:
     server.close()
     c0.fail("too late")  # server gone: logged, not raised
 
+
+def test_connect_and_step_waits_name_their_own_keys(silent) -> None:
+    host, port = silent(handshake=False).address
+    c = PSClient(host, port, rank=3, secret=new_secret(), timeout_s=Timeout(5, STEP_KEY),
+                 connect_timeout=Timeout(0.2, CONNECT_KEY))
+    with pytest.raises(PSTimeoutError, match=r"^rank 3 timed out after 0.2s waiting for the handshake with the "
+                                             r"parameter server at .*; raise timeouts.connect_s$"):
+        c.connect()
+    host, port = silent(handshake=True).address
+    c = PSClient(host, port, rank=0, secret=new_secret(), timeout_s=Timeout(0.2, STEP_KEY), connect_timeout=5)
+    assert c.connect().num_params == 4 and c.timeout_s == 0.2
+    with pytest.raises(PSTimeoutError, match=r"after 0.7s waiting for the ACK of the gradient for step 0 from the "
+                                             r"parameter server at .*; raise timeouts.step_s$"):
+        c.push(0, torch.zeros(4))
+
+
+def test_a_float_timeout_follows_ps_timeout_s(silent) -> None:
+    host, port = silent(handshake=False).address
+    c = PSClient(host, port, rank=1, secret=new_secret(), timeout_s=30, connect_timeout=0.2)
+    assert (c.step_timeout, c.connect_timeout) == (Timeout(30.0, STEP_KEY, "ps.timeout_s"),
+                                                   Timeout(0.2, CONNECT_KEY, "ps.timeout_s"))
+    with pytest.raises(PSTimeoutError, match=r"after 0.2s .*raise timeouts.connect_s \(unset: it follows "
+                                             r"ps.timeout_s\)$"):
+        c.connect()
+    with pytest.raises(PSError, match=r"timeouts.step_s \(from ps.timeout_s\) must be > 0, got 0"):
+        PSClient(host, port, rank=1, secret=new_secret(), timeout_s=0)

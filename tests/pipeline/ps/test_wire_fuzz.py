@@ -28,7 +28,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.ps import OptimizerSpec, ParameterServer, PSClient
-from pipeline.ps.protocol import (
+from pipeline.ps.protocol import Channel, MsgType, decode_header
+from pipeline.wire.frames import (
     HEADER,
     HEADER_SIZE,
     MAC_SIZE,
@@ -37,13 +38,10 @@ from pipeline.ps.protocol import (
     NONCE_SIZE,
     PROTOCOL_VERSION,
     U32_MAX,
-    Channel,
     DType,
     Header,
-    MsgType,
-    auth_mac,
-    decode_header,
 )
+from pipeline.wire.handshake import auth_mac
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 1.5
