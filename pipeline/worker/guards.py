@@ -7,10 +7,12 @@ stage link are left as they are: they are the retryable consequence of another r
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pipeline.errors import ModelInputError, NonFiniteError, ShardlineError
-from pipeline.models import ModelSpec
+
+if TYPE_CHECKING:
+    from pipeline.models import ModelSpec
 
 # Text of the RuntimeErrors torch raises (through DDP, or a collective) when a peer's group went away.
 _GROUP_MARKERS = ("gloo", "nccl", "processgroup", "process group", "connection closed", "connection reset",
@@ -28,9 +30,9 @@ def check_finite(loss: float, *, rank: int, step: int, epoch: int, where: str = 
 
 def keeps_its_type(exc: BaseException) -> bool:
     """Whether ``exc``, raised during a forward, is not the model's fault and so is not made a
-    ModelInputError: shardline's own errors (PSError and the stage-link errors among them), OSError,
-    torch.distributed's errors and the gloo/nccl RuntimeErrors DDP passes through (fallout of another
-    rank), and running out of memory (a resource, not the batch)."""
+    ModelInputError: shardline's own errors (PSError, and so the stage-link errors pipeline.parallel
+    raises), OSError, torch.distributed's errors and the gloo/nccl RuntimeErrors DDP passes through
+    (fallout of another rank), and running out of memory (a resource, not the batch)."""
     if not isinstance(exc, Exception) or isinstance(exc, (ShardlineError, OSError, MemoryError)):
         return True
     if type(exc).__module__.startswith("torch.distributed") or type(exc).__name__ == "OutOfMemoryError":
