@@ -6,33 +6,25 @@ Connections are capped so a flood of unauthenticated sockets cannot exhaust thre
 unauthenticated socket gets at most ``HANDSHAKE_S`` to prove the secret: an honest worker answers the
 CHALLENGE at once, and silent sockets must not hold slots for a whole step deadline.
 
-``authenticate`` is the wire part of the handshake on its own (nonce, AUTH, MAC check), so it can be
-replaced by the shared ``pipeline.wire`` handshake without touching admission or the WELCOME.
+``authenticate`` is the wire part of the handshake on its own (nonce, AUTH, MAC check): the shared
+``pipeline.wire.handshake.server_handshake``, one-way; admission and the WELCOME stay here.
 """
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pipeline.errors import PSError, ProtocolError
+from pipeline.errors import PSError
 from pipeline.ps.connection import RankConnection
 from pipeline.ps.messages import AUTH, send_error
-from pipeline.ps.protocol import (
-    NONCE_SIZE,
-    Channel,
-    MsgType,
-    deadline_after,
-    set_buffer_sizes,
-    set_socket_options,
-    verify_mac,
-)
+from pipeline.ps.protocol import Channel, MsgType, set_buffer_sizes, set_socket_options
 from pipeline.ps.stats import ShardStats
 from pipeline.wire.deadline import Timeout
+from pipeline.wire.handshake import Refusal, server_handshake
 
 logger = logging.getLogger(__name__)
 
@@ -63,22 +55,12 @@ class Claim:
 def authenticate(channel: Channel, *, secret: bytes, generation: int, timeout: Timeout) -> Claim:
     """CHALLENGE with a fresh nonce, then the peer's AUTH must carry the MAC of the secret over it,
     bound to the rank and generation it claims. Returns that claim; raises HandshakeRejected."""
-    nonce = secrets.token_bytes(NONCE_SIZE)
-    handshake_s = timeout.shorter(HANDSHAKE_S).seconds
-    deadline = deadline_after(handshake_s)
     try:
-        channel.send_bytes(MsgType.CHALLENGE, nonce, generation=generation, rank=0, timeout=handshake_s)
-        header = channel.recv_header(deadline)
-        if header.type is not MsgType.AUTH:
-            raise ProtocolError(f"expected AUTH, got {header.type.name}")
-        mac = channel.recv_bytes(header, deadline)
-    except TimeoutError:
-        raise HandshakeRejected(f"no AUTH within {handshake_s:g}s of connecting") from None
-    except (PSError, OSError) as exc:
-        raise HandshakeRejected(f"handshake failed: {exc}") from None
-    if not verify_mac(secret, nonce, header.rank, header.generation, mac):
-        raise HandshakeRejected(f"authentication failed for rank {header.rank}: wrong secret")
-    return Claim(header.rank, header.generation)
+        claim = server_handshake(channel, secret, rank=0, generation=generation,
+                                 timeout=timeout.shorter(HANDSHAKE_S))
+    except Refusal as refused:
+        raise HandshakeRejected(refused.reason) from None
+    return Claim(claim.rank, claim.generation)
 
 
 class ConnectionHost(Protocol):
