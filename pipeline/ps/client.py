@@ -28,44 +28,19 @@ import torch
 
 from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError
 from pipeline.ps.compression import Compressor
-from pipeline.ps.protocol import U32_MAX, Channel, Header, MsgType
+from pipeline.ps.protocol import U32_MAX, Channel, Header, MsgType, ServerInfo, ShardInfo, parse_welcome
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
 from pipeline.wire.frames import PeerClosedError
 from pipeline.wire.handshake import client_handshake, refusal_text
 from pipeline.wire.sockets import connect
+
+__all__ = ["PSClient", "ServerInfo", "ShardInfo"]  # the WELCOME types live in protocol.py
 
 logger = logging.getLogger(__name__)
 
 _MAX_FAIL_ERROR_CHARS = 16 * 1024
 _MAX_FAIL_LOG_CHARS = 256 * 1024
 _FAIL_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard's address and the slice ``[start, end)`` of the flat parameters it owns."""
-
-    host: str
-    port: int
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """What the server announced in WELCOME. The consistency and compression settings come from the
-    server so that driver and workers cannot disagree about them."""
-
-    num_params: int
-    version: int
-    world_size: int
-    mode: str = "sync"
-    staleness: int = 0
-    sync_every: int = 1
-    clock: int = 0  # ssp/async: the next step this rank pushes
-    compression: str = "none"
-    topk_ratio: float = 0.01
-    shards: tuple[ShardInfo, ...] = ()  # empty: one shard at the address connected to, [0, num_params)
 
 
 @dataclass(eq=False)
@@ -218,7 +193,7 @@ class PSClient:
                 )
             if header.type is not MsgType.WELCOME:
                 raise ProtocolError(f"expected WELCOME, got {header.type.name}")
-            info = self._parse_welcome(channel.recv_json(header, deadline))
+            info = parse_welcome(channel.recv_json(header, deadline))
         except AuthenticationError:
             channel.close()
             raise
@@ -459,25 +434,3 @@ class PSClient:
             host, port = (link.host, link.port) if link is not None else (self.host, self.port)
             what = f"{what} from the parameter server at {host}:{port}"
         return PSTimeoutError(f"rank {self.rank} {wait.message(what)}")
-
-    @staticmethod
-    def _parse_welcome(body: dict[str, Any]) -> ServerInfo:
-        try:
-            shards = tuple(ShardInfo(str(s["host"]), int(s["port"]), int(s["start"]), int(s["end"]))
-                           for s in body.get("shards", ()))
-            info = ServerInfo(int(body["num_params"]), int(body["version"]), int(body["world_size"]),
-                              mode=str(body.get("mode", "sync")), staleness=int(body.get("staleness", 0)),
-                              sync_every=int(body.get("sync_every", 1)), clock=int(body.get("clock", 0)),
-                              compression=str(body.get("compression", "none")),
-                              topk_ratio=float(body.get("topk_ratio", 0.01)), shards=shards)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed WELCOME: {exc}") from None
-        if info.num_params <= 0 or info.version < 0 or info.world_size <= 0:
-            raise ProtocolError(f"implausible WELCOME: {info}")
-        if shards:
-            # The slices must tile [0, num_params) in order, or PARAMS would land in the wrong place.
-            edges = [0] + [s.end for s in shards]
-            if any(s.start != edges[i] or s.end <= s.start for i, s in enumerate(shards)) \
-                    or edges[-1] != info.num_params:
-                raise ProtocolError(f"WELCOME announces shard ranges that do not tile [0, {info.num_params})")
-        return info

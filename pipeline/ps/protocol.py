@@ -16,6 +16,7 @@ Header layout: the wire's standard 48-byte header (``pipeline.wire.frames``)::
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Optional
 
@@ -52,7 +53,7 @@ __all__ = [
     "auth_mac", "deadline_after", "decode_header", "decode_json", "decode_tensor", "encode_json",
     "set_buffer_sizes", "set_socket_options", "tensor_bytes", "verify_mac", "DEFAULT_TENSOR_DTYPES",
     "DTYPE_OF_TORCH", "EMPTY_TYPES", "FIXED_SIZE_TYPES", "ITEMSIZE", "JSON_TYPES", "TENSOR_TYPES",
-    "TORCH_DTYPES",
+    "TORCH_DTYPES", "ServerInfo", "ShardInfo", "parse_welcome",
 ]
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,56 @@ def decode_tensor(payload: Buffer, header: Header) -> torch.Tensor:
     if header.count == 0:
         return torch.empty(0, dtype=TORCH_DTYPES[header.dtype])
     return torch.frombuffer(payload, dtype=TORCH_DTYPES[header.dtype], count=header.count)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard's address and the slice ``[start, end)`` of the flat parameters it owns."""
+
+    host: str
+    port: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the server announced in WELCOME. The consistency and compression settings come from the
+    server so that driver and workers cannot disagree about them."""
+
+    num_params: int
+    version: int
+    world_size: int
+    mode: str = "sync"
+    staleness: int = 0
+    sync_every: int = 1
+    clock: int = 0  # ssp/async: the next step this rank pushes
+    compression: str = "none"
+    topk_ratio: float = 0.01
+    shards: tuple[ShardInfo, ...] = ()  # empty: one shard at the address connected to, [0, num_params)
+
+
+def parse_welcome(body: dict[str, Any]) -> ServerInfo:
+    """A WELCOME payload as ServerInfo; anything malformed or implausible is a ProtocolError."""
+    try:
+        shards = tuple(ShardInfo(str(s["host"]), int(s["port"]), int(s["start"]), int(s["end"]))
+                       for s in body.get("shards", ()))
+        info = ServerInfo(int(body["num_params"]), int(body["version"]), int(body["world_size"]),
+                          mode=str(body.get("mode", "sync")), staleness=int(body.get("staleness", 0)),
+                          sync_every=int(body.get("sync_every", 1)), clock=int(body.get("clock", 0)),
+                          compression=str(body.get("compression", "none")),
+                          topk_ratio=float(body.get("topk_ratio", 0.01)), shards=shards)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed WELCOME: {exc}") from None
+    if info.num_params <= 0 or info.version < 0 or info.world_size <= 0:
+        raise ProtocolError(f"implausible WELCOME: {info}")
+    if shards:
+        # The slices must tile [0, num_params) in order, or PARAMS would land in the wrong place.
+        edges = [0] + [s.end for s in shards]
+        if any(s.start != edges[i] or s.end <= s.start for i, s in enumerate(shards)) \
+                or edges[-1] != info.num_params:
+            raise ProtocolError(f"WELCOME announces shard ranges that do not tile [0, {info.num_params})")
+    return info
 
 
 class Channel(_frames.Channel):
