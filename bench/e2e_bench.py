@@ -114,7 +114,7 @@ def td_train(files_by_rank: list[list[str]], row_groups_by_rank: list[list[list[
 
 
 WARM_IMPORTS = ("torch", "torch.distributed", "pipeline.data", "pipeline.models", "pipeline.ps",
-                "pipeline.checkpoints", "pipeline.launch.task", "pipeline.worker.loop")
+                "pipeline.checkpoints", "pipeline.launch.task.body", "pipeline.worker.loop")
 
 
 def _worker_threads(_batches):

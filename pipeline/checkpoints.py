@@ -10,10 +10,11 @@ from __future__ import annotations
 import io
 import logging
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pipeline.errors import ConfigError
 
@@ -121,3 +122,70 @@ def check_compatible(state: dict[str, Any], path: str, *, fingerprint: str, mode
         problems.append(f"it ran ps.mode={state['mode']}, the config says {mode}")
     if problems:
         raise ConfigError(f"cannot resume from checkpoint {path}: " + "; ".join(problems))
+
+
+class SnapshotNotReady(Exception):
+    """The state to checkpoint is not consistent yet (e.g. the PS is ahead of the epoch reports that go with
+    it); a periodic save retries at its next poll, a requested one is skipped."""
+
+
+class Checkpointer:
+    """Saves ``snapshot()`` to ``store`` every ``every`` steps of ``version()`` from a background thread,
+    and on request. Runs wherever the PS runs (the driver, or rank 0's task)."""
+
+    def __init__(self, store: CheckpointStore, snapshot: Callable[[], dict], version: Callable[[], int], every: int,
+                 poll_s: float = 0.1, enabled: bool = True):
+        self._store, self._snapshot, self._version = store, snapshot, version
+        self._enabled = enabled
+        self._every = every if enabled else 0
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last = version()
+        self._thread = threading.Thread(target=self._watch, name="shardline-checkpointer", daemon=True)
+        self.saved: list[int] = []
+
+    def __enter__(self) -> "Checkpointer":
+        if self._every:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def save(self, why: str, periodic: bool = False) -> None:
+        """Best effort: a failing checkpoint write is logged, never allowed to stop training."""
+        if not self._enabled:
+            return
+        with self._lock:
+            try:
+                state = self._snapshot()
+                info = self._store.save(state)
+                self._last = state["step"]
+                self.saved.append(state["step"])
+                log.info("checkpoint at step %d (%s): %s", state["step"], why, info.path)
+            except SnapshotNotReady as why_not:
+                # Periodic saves retry at the next poll; a skipped request leaves the previous checkpoint.
+                log.log(logging.DEBUG if periodic else logging.INFO, "checkpoint (%s) skipped: %s", why, why_not)
+            except Exception:
+                log.warning("could not write a checkpoint (%s) to %s", why, self._store.directory, exc_info=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            if self._version() - self._last >= self._every:
+                self.save(f"every {self._every} steps", periodic=True)
+
+
+def own_latest(store: CheckpointStore, launch_id: str, fallback: Optional[CheckpointInfo]) -> Optional[CheckpointInfo]:
+    """The newest checkpoint written by the launch ``launch_id``, else ``fallback``."""
+    latest = store.latest()
+    if latest is None:
+        return fallback
+    try:
+        own = store.load(latest).get("launch_id") == launch_id
+    except Exception:  # unreadable: fall back rather than fail the retry
+        log.warning("could not read checkpoint %s to resume the retry", latest.path, exc_info=True)
+        own = False
+    return latest if own else fallback

@@ -64,6 +64,8 @@ class WorkerFailure:
     rank: int
     error: str
     log_tail: str = ""
+    # False when another attempt would fail the same way (errors.is_retryable of the rank's exception).
+    retryable: bool = True
 
 
 class WorkerTrainingFailedError(ShardlineError):

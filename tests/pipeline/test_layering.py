@@ -17,11 +17,12 @@ ALLOWED = {
     "shards": {"config"},
     "data": {"shards"},
     "models": {"config"},
-    "ps": set(),
+    "wire": set(),
+    "ps": {"wire"},
     "checkpoints": set(),
-    "parallel": {"ps", "models"},
-    "worker": {"data", "models", "ps", "parallel"},
-    "launch": {"config", "worker", "ps", "shards", "models", "data", "checkpoints", "parallel"},
+    "parallel": {"ps", "models", "wire"},
+    "worker": {"data", "models", "ps", "parallel", "wire"},
+    "launch": {"config", "worker", "ps", "shards", "models", "data", "checkpoints", "parallel", "wire"},
     "evaluate": {"models", "shards"},
     "tracking": {"config"},
     "session": {"config"},
@@ -42,6 +43,82 @@ def _imports(path: Path):
                 yield alias.name
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.module
+
+
+def _dotted(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> project modules it imports (lazy imports included). ``from a.b import c`` is an arrow to
+    ``a.b.c`` when that is a module, else to ``a.b``; a package's ``__init__`` counts only when imported."""
+    files = {_dotted(p): p for top in ("pipeline", "udfs") for p in (REPO / top).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        arrows = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                arrows |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                found = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files}
+                arrows |= found or ({base} if base in files else set())
+        graph[name] = arrows - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_among_the_project_modules():
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    real = _import_graph()
+    assert "pipeline.launch.train" in real["pipeline.launch"]  # lazy and package imports are followed
+
+
+@pytest.mark.parametrize("path", sorted(p for top in ("pipeline", "udfs") for p in (REPO / top).rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_modules_stay_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= 450, f"{path.relative_to(REPO)} has {lines} lines: split it by what each part owns"
 
 
 def _module_of(path: Path) -> str:

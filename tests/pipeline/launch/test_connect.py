@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 CLIENT = """
 import json, logging, sys
 logging.basicConfig(level=logging.WARNING)
-logging.getLogger("pipeline.launch.train").setLevel(logging.INFO)
+logging.getLogger("pipeline.launch").setLevel(logging.INFO)
 sys.path.insert(0, {repo!r})
 from pipeline.config import build
 from pipeline.errors import ConfigError
@@ -89,7 +89,7 @@ def test_launch_code_never_touches_spark_context_or_rdds():
     SparkContext or the RDD API (which Connect sessions do not have)."""
     offenders = []
     for folder in ("launch", "worker", "ps"):
-        for path in sorted((REPO / "pipeline" / folder).glob("*.py")):
+        for path in sorted((REPO / "pipeline" / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Attribute) and node.attr in ("sparkContext", "rdd", "_jsc", "_jvm"):
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno} .{node.attr}")

@@ -65,7 +65,7 @@ def test_a_worker_failing_in_every_attempt_exhausts_max_attempts(spark, digits, 
     cfg, manifest = digits
     failing = with_changes(cfg, train={"epochs": 1, "max_attempts": 2},
                            faults={"fail_rank": 0, "fail_step": 2, "attempts": 5})
-    with caplog.at_level(logging.WARNING, logger="pipeline.launch.train"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.launch"):
         with pytest.raises(WorkerTrainingFailedError, match=r"gave up after 2 attempt\(s\) \(train.max_attempts=2\)") as info:
             train(spark, failing, manifest)
     assert info.value.attempt == 2 and list(info.value.failures) == [0]
@@ -126,3 +126,31 @@ def test_a_shard_smaller_than_a_batch_is_refused_before_anything_starts(spark, d
     cfg, manifest = digits
     with pytest.raises(DataError, match=r"train.batch_size"):
         train(spark, cfg, _uneven_manifest(manifest, [0, 900]))
+
+
+@pytest.fixture(scope="module")
+def user_models(spark):
+    """tests/pipeline/models/user_models.py importable as `user_models` here and in the Python workers."""
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "user_models.py")
+    sys.path.insert(0, os.path.dirname(path))
+    spark.sparkContext.addPyFile(path)
+    yield "user_models"
+    sys.path.remove(os.path.dirname(path))
+
+
+@pytest.mark.parametrize("factory, error", [("nan_mlp", "NonFiniteError"), ("rejecting_mlp", "ModelInputError")])
+def test_a_failure_a_retry_cannot_cure_ends_the_run_after_one_attempt(spark, digits, user_models, factory, error,
+                                                                      caplog):
+    """A NaN/Inf loss, or a model that raises on its input, would fail every attempt the same way."""
+    cfg, manifest = digits
+    doomed = with_changes(cfg, name=f"doomed-{factory}", train={"epochs": 1, "max_attempts": 3},
+                          model={"factory": f"{user_models}:{factory}"})
+    with caplog.at_level(logging.WARNING, logger="pipeline.launch"):
+        with pytest.raises(WorkerTrainingFailedError, match="not retried") as info:
+            train(spark, doomed, manifest)
+    assert info.value.attempt == 1
+    assert "retrying" not in caplog.text
+    assert all(f.retryable is False and error in f.error for f in info.value.failures.values()), info.value

@@ -7,7 +7,7 @@ from pipeline.errors import WorkerTrainingFailedError
 from pipeline.etl import run_etl
 from pipeline.evaluate import evaluate
 from pipeline.launch import train
-from pipeline.launch import task as task_module
+from pipeline.launch.task import rows as task_module
 from pipeline.shards import steps_per_epoch
 
 pytestmark = pytest.mark.slow
@@ -41,9 +41,9 @@ def test_task_hosted_ps_trains_digits_and_returns_parameters_as_rows(spark, digi
     assert accuracy >= 0.95, accuracy
     # The task-side checkpointer wrote to train.checkpoint_dir, ending with the final state.
     from pipeline.checkpoints import CheckpointStore
-    from pipeline.launch.train import checkpoint_dir
+    from pipeline.config import Workdir
 
-    latest = CheckpointStore(checkpoint_dir(cfg)).latest()
+    latest = CheckpointStore(Workdir.of(cfg).checkpoints).latest()
     assert latest is not None and latest.step == result.steps
 
 
@@ -80,11 +80,11 @@ def test_failure_in_every_attempt_names_the_rank(spark, digits):
 
 def test_parameters_are_split_into_chunks_and_reassembled(monkeypatch):
     monkeypatch.setattr(task_module, "CHUNK_BYTES", 10)
-    row = {**task_module._failure_row(0, None, ""), "ok": True, "parameters": bytes(range(35)), "ps_report": "{}"}
-    batches = list(task_module._batches(row))
+    row = {**task_module.failure_row(0, None, ""), "ok": True, "parameters": bytes(range(35)), "ps_report": "{}"}
+    batches = list(task_module.to_batches(row))
     assert [b.num_rows for b in batches] == [1, 1, 1, 1]
     rows = [r for b in reversed(batches) for r in b.to_pylist()]  # any order from Spark
-    other = [r for b in task_module._batches({**row, "rank": 1, "parameters": None}) for r in b.to_pylist()]
+    other = [r for b in task_module.to_batches({**row, "rank": 1, "parameters": None}) for r in b.to_pylist()]
     merged = task_module.merge_chunks(rows + other)
     assert [m["rank"] for m in merged] == [0, 1]
     assert merged[0]["parameters"] == bytes(range(35)) and merged[0]["ps_report"] == "{}"

@@ -1,16 +1,17 @@
-"""What a checkpoint holds: the PS state together with the epoch reports that belong to it."""
+"""Beside the PS (driver or rank 0's task): what a checkpoint holds — the PS state together with the epoch
+reports that belong to it."""
 from __future__ import annotations
 
+from pipeline.checkpoints import SnapshotNotReady
 
-class SnapshotNotReady(Exception):
-    """The PS is ahead of the epoch reports: a rank stepped past an epoch end and has not reported it yet."""
+__all__ = ["SnapshotNotReady", "epochs_left_unreported", "take_snapshot"]
 
 
 def epochs_left_unreported(state: dict, reports: dict, consistency, world_size: int, steps_per_epoch: int,
                            epochs: int) -> list[tuple[int, int]]:
     """(rank, epoch) pairs the ranks resumed from PS ``state`` would start after, but that ``reports``
     (``EpochProgress.reports()``) does not hold: they would never be reported again."""
-    from pipeline.launch.progress import unreported_epochs
+    from pipeline.launch.ps_side.progress import unreported_epochs
     from pipeline.ps.modes import resume_step
 
     total = steps_per_epoch * epochs

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from pipeline.checkpoints import CheckpointStore
-from pipeline.launch.progress import EpochProgress
-from pipeline.launch.snapshot import SnapshotNotReady, take_snapshot
-from pipeline.launch.train import Checkpointer
-from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, new_secret
+from pipeline.launch.ps_side.progress import EpochProgress
+from pipeline.launch.ps_side.snapshot import SnapshotNotReady, take_snapshot
+from pipeline.checkpoints import Checkpointer
+from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, PSSettings, new_secret
 from pipeline.ps.modes import Consistency
+from pipeline.wire.deadline import STEP_KEY, Timeout
 
 STEPS_PER_EPOCH, EPOCHS, N = 2, 2, 4
 
@@ -30,9 +31,9 @@ def ps():
     def make(mode: str = "sync"):
         secret = new_secret()
         progress = EpochProgress(2, EPOCHS)
-        server = ParameterServer(torch.zeros(N), world_size=2, secret=secret, optimizer=OptimizerSpec("sgd", lr=0.1),
-                                 host="127.0.0.1", timeout_s=5, on_metrics=progress,
-                                 consistency=Consistency(mode)).start()
+        settings = PSSettings(OptimizerSpec("sgd", lr=0.1), Consistency(mode), step_timeout=Timeout.of(5, STEP_KEY))
+        server = ParameterServer(torch.zeros(N), settings, world_size=2, secret=secret, host="127.0.0.1",
+                                 on_metrics=progress).start()
         clients = [PSClient(*server.address, rank=rank, secret=secret, timeout_s=5) for rank in (0, 1)]
         opened.append((server, clients))
         for client in clients:

@@ -1,4 +1,4 @@
-"""Driver-side watchdog over a running barrier stage.
+"""Beside the PS (the driver, or rank 0's task with ps.placement=task): a watchdog over a running barrier stage.
 
 Spark's `collect()` has no deadline of its own. The PS fails any step a connected worker stalls, but a
 task that never reaches the PS (stuck before connecting) or lingers after the attempt is already lost
@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
+
+from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout
 
 log = logging.getLogger(__name__)
 # Until some rank has connected, the stage may still be waiting for slots or forking Python workers.
@@ -19,17 +21,21 @@ FIRST_CONNECT_FLOOR_S = 60.0
 class StageWatchdog:
     """Cancels the stage when ranks miss the connect deadline, or when a failed attempt outlives `grace_s`."""
 
-    def __init__(self, server, world_size: int, *, connect_timeout_s: float, grace_s: float,
-                 cancel: Callable[[str], None], poll_s: float = 0.2, first_connect_s: Optional[float] = None):
+    def __init__(self, server, world_size: int, *, connect_timeout_s: Union[float, Timeout],
+                 grace_s: Union[float, Timeout], cancel: Callable[[str], None], poll_s: float = 0.2,
+                 first_connect_s: Optional[float] = None):
         self._server = server
         self._world_size = world_size
+        self._connect = Timeout.of(connect_timeout_s, CONNECT_KEY)
+        connect_timeout_s = self._connect.seconds
         self._connect_timeout_s = connect_timeout_s
         # The barrier stage starts every task at once, so the connect deadline counts from the first rank
         # that connects: the time Spark takes to schedule the stage and fork fresh Python workers (which
         # import torch) is not the ranks' fault. Until one connects, a longer floor applies.
         self._first_connect_s = (max(connect_timeout_s, FIRST_CONNECT_FLOOR_S) if first_connect_s is None
                                  else first_connect_s)
-        self._grace_s = grace_s
+        self._grace = Timeout.of(grace_s, STEP_KEY)
+        self._grace_s = self._grace.seconds
         self._cancel = cancel
         self._poll_s = poll_s
         self._stop = threading.Event()
@@ -62,7 +68,8 @@ class StageWatchdog:
             if self._server.aborted:
                 failed_since = failed_since or now
                 if now - failed_since > self._grace_s:
-                    self._fire(f"the training attempt failed and its tasks did not stop within {self._grace_s:.0f}s")
+                    self._fire(f"the training attempt failed and its tasks did not stop within {self._grace_s:.0f}s "
+                               f"({self._grace.key})")
                     return
                 continue
             registered = self._server.registered_ranks
@@ -77,6 +84,6 @@ class StageWatchdog:
                 return
             if first_connected is not None and now - first_connected > self._connect_timeout_s:
                 self._fire(f"rank(s) {missing} did not connect to the parameter server within "
-                           f"{self._connect_timeout_s:g}s of rank(s) {sorted(registered)}; raise ps.timeout_s "
+                           f"{self._connect_timeout_s:g}s of rank(s) {sorted(registered)}; {self._connect.hint} "
                            "if executors start slowly")
                 return

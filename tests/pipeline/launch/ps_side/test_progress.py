@@ -1,6 +1,6 @@
 import io
 
-from pipeline.launch.progress import EpochProgress, StepProgress
+from pipeline.launch.ps_side.progress import EpochProgress, StepProgress
 
 
 def test_epoch_lines_wait_for_every_rank_and_aggregate():
@@ -50,7 +50,7 @@ def test_step_bar_draws_on_a_terminal():
 def test_worker_log_lines_reach_the_driver_log_and_per_rank_metrics_are_kept(caplog):
     import logging
 
-    from pipeline.launch.progress import EpochProgress
+    from pipeline.launch.ps_side.progress import EpochProgress
 
     rows = []
     progress = EpochProgress(2, 1, rows.append)
@@ -65,7 +65,7 @@ def test_worker_log_lines_reach_the_driver_log_and_per_rank_metrics_are_kept(cap
 
 
 def test_an_epoch_a_dead_rank_stepped_past_is_summarized_from_the_ranks_that_reported():
-    from pipeline.launch.progress import unreported_epochs
+    from pipeline.launch.ps_side.progress import unreported_epochs
 
     rows = []
     progress = EpochProgress(2, 3, rows.append)

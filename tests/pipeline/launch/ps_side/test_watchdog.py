@@ -4,13 +4,14 @@ import time
 
 import torch
 
-from pipeline.launch.watchdog import StageWatchdog
-from pipeline.ps import OptimizerSpec, PSClient, ParameterServer, new_secret
+from pipeline.launch.ps_side.watchdog import StageWatchdog
+from pipeline.ps import OptimizerSpec, PSClient, ParameterServer, PSSettings, new_secret
+from pipeline.wire.deadline import STEP_KEY, Timeout
 
 
 def _server(secret, world=2):
-    return ParameterServer(torch.zeros(8), world_size=world, secret=secret, optimizer=OptimizerSpec(),
-                           host="127.0.0.1", timeout_s=5)
+    settings = PSSettings(OptimizerSpec(), step_timeout=Timeout.of(5, STEP_KEY))
+    return ParameterServer(torch.zeros(8), settings, world_size=world, secret=secret, host="127.0.0.1")
 
 
 def _cancelling_watchdog(server, **deadlines):

@@ -1,0 +1,18 @@
+"""Driver side: where the parameter server lives during the attempts of one run (``ps.placement``).
+
+``DriverPS``: in this process; it outlives a failed attempt, so a retry continues from its state.
+``TaskPS``: in rank 0's barrier task; it dies with a failed attempt, so a retry restarts it from this
+run's newest checkpoint. Both run their attempts through ``attempts.run_attempts``.
+"""
+from __future__ import annotations
+
+from pipeline.launch.placement.run import Outcome, TrainingRun
+
+__all__ = ["Outcome", "TrainingRun", "placement_for"]
+
+
+def placement_for(run: TrainingRun):
+    from pipeline.launch.placement.in_task import TaskPS
+    from pipeline.launch.placement.on_driver import DriverPS
+
+    return TaskPS(run) if run.cfg.ps.placement == "task" else DriverPS(run)

@@ -1,0 +1,186 @@
+"""Driver side, ``ps.placement: driver``: the PS, its checkpointer, the stage watchdog and the progress bar
+run in this process (the driver, or a Spark Connect client)."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+
+from pipeline.errors import PSError, WorkerFailure, WorkerTrainingFailedError
+from pipeline.launch.attempts import (RetryStart, interrupt, new_tag, raise_for_failed_rows, run_barrier_job,
+                                      spark_error_summary)
+from pipeline.launch.placement.run import Outcome, TrainingRun
+from pipeline.launch.plans import deadlines, failed_attempt_grace, ps_settings, worker_plans
+from pipeline.launch.retry import Verdict
+
+log = logging.getLogger(__name__)
+# When Spark reports the stage failed, how long the PS may take to record which rank dropped.
+RANK_FAILURE_WAIT_S = 2.0
+
+
+def ps_host(spark, cfg) -> str:
+    if cfg.ps.host:
+        return cfg.ps.host
+    try:
+        return spark.conf.get("spark.driver.host")
+    except Exception:
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+
+
+def stage_ranges(run: TrainingRun) -> list[tuple[int, int]]:
+    """Each pipeline stage's [start, end) slice of the flat parameter vector."""
+    from pipeline.models import build_model
+    from pipeline.parallel.stages import stage_slices
+    from pipeline.worker.stage_loop import model_stages
+
+    p = run.cfg.parallelism
+    return stage_slices(model_stages(build_model(run.spec), p.pipeline, p.cuts))
+
+
+class DriverPS:
+    """The PS in this process; it outlives failed attempts, so a retry continues from its state."""
+
+    def __init__(self, run: TrainingRun):
+        self.run = run
+        self.server = None
+        self._stack = ExitStack()
+        self._secret = None
+        self._checkpointer = None
+        self._bar = None
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> "DriverPS":
+        from pipeline.checkpoints import Checkpointer
+        from pipeline.launch.ps_side.progress import StepProgress
+        from pipeline.ps import ParameterServer, new_secret
+
+        run, cfg = self.run, self.run.cfg
+        host = ps_host(run.spark, cfg)
+        log.info("training %s: %d workers x %d steps/epoch x %d epochs, %d parameters, PS on %s", cfg.name,
+                 cfg.parallelism.tasks, run.steps_per_epoch, cfg.train.epochs, run.initial.numel(), host)
+        self._secret = new_secret()
+        settings = ps_settings(cfg)
+        common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress)
+        try:
+            if cfg.parallelism.pipeline > 1:
+                from pipeline.ps.staged import StagedParameterServer
+
+                ranges = stage_ranges(run)
+                log.info("pipeline parallelism: %d replicas x %d stages (parameter slices %s), %d micro-batches",
+                         cfg.parallelism.data, cfg.parallelism.pipeline, ranges, cfg.parallelism.micro_batches)
+                server = StagedParameterServer(run.initial, ranges, settings, replicas=cfg.parallelism.data, **common)
+            else:
+                server = ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks, **common)
+            self.server = self._stack.enter_context(server)
+            if run.resumed is not None:
+                self.server.load_state_dict(run.resumed["ps"])
+                run.progress.restore(run.resumed)
+                log.info("resuming from checkpoint %s at step %d of %d", run.resumed_from.path, self.server.version,
+                         run.expected_version)
+            # allreduce keeps no state on the server: nothing to checkpoint, and a retry starts over.
+            self._checkpointer = self._stack.enter_context(Checkpointer(
+                run.store, self._snapshot, lambda: self.server.version, cfg.train.checkpoint_every,
+                enabled=not run.allreduce))
+            self._bar = StepProgress(lambda: self.server.version, run.expected_version)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def on_epoch(self, row: dict) -> None:
+        if self._bar is not None:
+            self._bar.update_loss(row)
+
+    def _snapshot(self) -> dict:
+        from pipeline.launch.ps_side.snapshot import take_snapshot
+
+        run, cfg = self.run, self.run.cfg
+        return take_snapshot(self.server, run.progress, ps_settings(cfg).consistency, run.steps_per_epoch,
+                             cfg.train.epochs, model=run.spec.to_dict(), epochs=cfg.train.epochs, seed=cfg.train.seed,
+                             **run.checkpoint_meta)
+
+    def run_attempt(self, attempt: int) -> list[dict]:
+        """One barrier job against this PS; raises WorkerTrainingFailedError naming the root-cause rank(s)."""
+        from pipeline.launch.ps_side.watchdog import StageWatchdog
+        from pipeline.launch.task.body import TaskWiring, make_task_fn
+
+        run, cfg, server = self.run, self.run.cfg, self.server
+        plans = worker_plans(cfg, run.manifest, run.spec, run.steps_per_epoch, server.generation, attempt,
+                             getattr(server, "addresses", None))
+        task_fn = make_task_fn(plans, TaskWiring(self._secret, cfg.train.log_tail_lines, ps=tuple(server.address)))
+        tag = new_tag()
+        watchdog = StageWatchdog(server, cfg.parallelism.tasks, connect_timeout_s=deadlines(cfg).connect,
+                                 grace_s=failed_attempt_grace(cfg), cancel=lambda reason: interrupt(run.spark, tag))
+        log.info("barrier attempt %d (generation %d) from step %d", attempt, server.generation, server.version)
+        guard = ExitStack()
+        guard.enter_context(watchdog)
+        guard.enter_context(self._bar)
+        rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.tasks, tag=tag, guard=guard,
+                               on_job_error=lambda exc: self._job_failure(exc, attempt, watchdog))
+        raise_for_failed_rows(rows, list(server.root_failures), attempt, first_cause_only=run.allreduce)
+        return rows
+
+    def _job_failure(self, exc: BaseException, attempt: int, watchdog) -> WorkerTrainingFailedError:
+        server = self.server
+        if isinstance(exc, Exception):
+            self._await_rank_failure(min(deadlines(self.run.cfg).step.seconds, RANK_FAILURE_WAIT_S))
+        server.fail(f"the Spark barrier job failed: {spark_error_summary(exc)}")
+        unknown = WorkerFailure(-1, watchdog.reason or "the barrier stage failed before any rank reported "
+                                                       "(see the Spark error)")
+        failures = server.root_failures or dict(server.failures) or {-1: unknown}
+        return WorkerTrainingFailedError(failures, attempt, cause=watchdog.reason or spark_error_summary(exc))
+
+    def _await_rank_failure(self, wait_s: float) -> None:
+        """Give the PS a moment to hear which rank it was (a killed worker's connection drops at once, but
+        the server's thread may not have recorded it yet): once the server is told the job failed, later
+        drops count as consequences, not as the cause."""
+        deadline = time.monotonic() + wait_s
+        while not self.server.failures and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def prepare_retry(self, attempt: int, failure: WorkerTrainingFailedError, verdict: Verdict) -> RetryStart:
+        assert verdict is Verdict.RETRY_FROM_PS_STATE, verdict
+        step = self.server.version
+        self._checkpointer.save(f"after failed attempt {attempt}")
+        try:
+            self.server.new_generation()
+        except PSError as exc:  # e.g. pipeline stages left one step apart: cannot continue safely
+            cause = f"{failure.cause + '; ' if failure.cause else ''}cannot retry: {exc}"
+            raise WorkerTrainingFailedError(failure.failures, attempt, cause, failure.stopped) from failure
+        self._close_abandoned_epochs()
+        return RetryStart(step, f"step {step} with the PS state kept")
+
+    def _close_abandoned_epochs(self) -> None:
+        """Epochs a dead rank stepped past without reporting are summarized from the others (the retried
+        rank starts after them and will not report them)."""
+        from pipeline.launch.ps_side.snapshot import epochs_left_unreported
+
+        run, cfg = self.run, self.run.cfg
+        if run.allreduce:
+            return  # every rank starts over
+        try:
+            state = self.server.state_dict()
+        except PSError:  # bookkeeping only: the retry itself does not depend on it
+            log.warning("could not read the PS state to settle the epochs of the failed attempt", exc_info=True)
+            return
+        run.progress.close_abandoned(epochs_left_unreported(
+            state, run.progress.reports(), ps_settings(cfg).consistency, run.progress.world_size,
+            run.steps_per_epoch, cfg.train.epochs))
+
+    def outcome(self, rows: list[dict]) -> Outcome:
+        from pipeline.launch.merge import replica_parameters
+
+        run = self.run
+        if run.allreduce:
+            parameters = replica_parameters(rows, run.initial.numel(), run.cfg.parallelism.pipeline)
+            version, expected = min(r["steps"] for r in rows), run.steps_per_epoch * run.cfg.train.epochs
+        else:
+            parameters, version, expected = self.server.parameters(), self.server.version, run.expected_version
+        stats = dict(self.server.stats)
+        self._checkpointer.save("end of training")
+        return Outcome(parameters, version, expected, stats, rows)

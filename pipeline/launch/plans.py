@@ -1,0 +1,91 @@
+"""Driver side: the validated config turned, once, into the typed plans each part is handed whole —
+a ``WorkerPlan`` per barrier task, the PS's ``PSSettings``, the waits' ``Deadlines``."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pipeline.config.schema import PipelineConfig
+from pipeline.models import ModelSpec
+from pipeline.shards import Manifest, rank_files
+from pipeline.wire.deadline import CONNECT_KEY, DEFAULT_KEY, LINK_KEY, STEP_KEY, Timeout
+from pipeline.worker.plan import Deadlines, FaultPlan, LoaderPlan, StagePlan, WorkerPlan
+
+# allreduce peers blocked in a collective cannot hear the PS abort: a failed attempt is cancelled after
+# this much grace instead of waiting out their collective timeout.
+ALLREDUCE_GRACE_S = 3.0
+
+
+def _timeout(value: Optional[float], key: str, default: float) -> Timeout:
+    return Timeout(value, key) if value is not None else Timeout(default, key, DEFAULT_KEY)
+
+
+def deadlines(cfg: PipelineConfig) -> Deadlines:
+    t, default = cfg.timeouts, cfg.ps.timeout_s
+    return Deadlines(step=_timeout(t.step_s, STEP_KEY, default), connect=_timeout(t.connect_s, CONNECT_KEY, default),
+                     link=_timeout(t.link_s, LINK_KEY, default))
+
+
+def failed_attempt_grace(cfg: PipelineConfig) -> Timeout:
+    """How long a failed attempt's tasks may take to stop before the stage is cancelled."""
+    step = deadlines(cfg).step
+    return step.shorter(ALLREDUCE_GRACE_S) if cfg.train.backend == "allreduce" else step
+
+
+def optimizer_spec(cfg: PipelineConfig):
+    from pipeline.ps import OptimizerSpec
+
+    t = cfg.train
+    return OptimizerSpec(name=t.optimizer, lr=t.lr, momentum=t.momentum if t.optimizer == "sgd" else 0.0,
+                         weight_decay=t.weight_decay)
+
+
+def consistency(cfg: PipelineConfig):
+    from pipeline.ps.modes import Consistency
+
+    return Consistency(mode=cfg.ps.mode, staleness=cfg.ps.staleness, sync_every=cfg.ps.sync_every)
+
+
+def ps_settings(cfg: PipelineConfig):
+    from pipeline.ps import PSSettings
+
+    return PSSettings(optimizer=optimizer_spec(cfg), consistency=consistency(cfg), compression=cfg.ps.compression,
+                      topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step)
+
+
+def fault_plan(cfg: PipelineConfig, attempt: int) -> FaultPlan:
+    """The faults.* hooks, in the first faults.attempts attempts only (so a retry can succeed)."""
+    if attempt > cfg.faults.attempts:
+        return FaultPlan()
+    return FaultPlan(**cfg.faults.model_dump(exclude={"attempts"}))
+
+
+def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, generation: int,
+                 attempt: int, stage_addresses: Optional[list] = None) -> list[WorkerPlan]:
+    """One plan per barrier task (rank = replica * stages + stage)."""
+    has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
+    validation = tuple(manifest.files("validation")) if has_validation else ()
+    stages, faults, waits = cfg.parallelism.pipeline, fault_plan(cfg, attempt), deadlines(cfg)
+    cuts = tuple(cfg.parallelism.cuts) if cfg.parallelism.cuts else None
+
+    def plan(rank: int) -> WorkerPlan:
+        replica, stage = divmod(rank, stages)  # the replica's shard is what this task reads
+        loader = LoaderPlan(reader=cfg.data.reader, shuffle=cfg.data.shuffle,
+                            shuffle_buffer_rows=cfg.data.shuffle_buffer_rows, reader_threads=cfg.data.reader_threads,
+                            prefetch=cfg.train.prefetch,
+                            row_group_rows=tuple(tuple(r) for r in manifest.row_group_rows("train", replica)))
+        grid = None
+        if stages > 1:
+            grid = StagePlan(stage=stage, stages=stages, replica=replica, replicas=cfg.parallelism.data,
+                             micro_batches=cfg.parallelism.micro_batches, cuts=cuts,
+                             ps=tuple(stage_addresses[stage]) if stage_addresses else None)
+        return WorkerPlan(
+            rank=rank, world_size=cfg.parallelism.tasks, generation=generation,
+            # Only the first stage reads features and only the last labels; middle stages read nothing.
+            train_files=tuple(rank_files(manifest, replica)) if stage in (0, stages - 1) else (),
+            # Validation needs the whole model in one task: only without pipeline stages.
+            validation_files=validation if rank == 0 and stages == 1 else (),
+            model=spec, features_field=manifest.features_field, label_field=manifest.label_field,
+            epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
+            optimizer=optimizer_spec(cfg), backend=cfg.train.backend, stage=grid, deadlines=waits)
+
+    return [plan(rank) for rank in range(cfg.parallelism.tasks)]

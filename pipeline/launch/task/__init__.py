@@ -1,0 +1,1 @@
+"""Runs inside the barrier tasks (executors): the task body, the rendezvous, the task-hosted PS, result rows."""

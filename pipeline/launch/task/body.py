@@ -1,0 +1,168 @@
+"""In the barrier task: the mapInArrow body. Runs one worker and returns its outcome as rows, never raising
+(see rows.py for why). The only place besides rendezvous.py that touches BarrierTaskContext."""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from pipeline.launch.task.rows import failure_row, to_batches
+from pipeline.worker.plan import WorkerPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TaskWiring:
+    """Plain values every task needs besides its plan (shipped in the closure: no SparkSession, no self)."""
+
+    secret: bytes
+    log_tail_lines: int
+    # The driver-hosted PS, or None with ps.placement=task (then `hosted` is set and the address comes
+    # from rank 0 through the allGather).
+    ps: Optional[tuple[str, int]] = None
+    hosted: object = None  # a task.hosted_ps.HostedPSSpec
+
+
+class _TailHandler(logging.Handler):
+    def __init__(self, lines: int):
+        super().__init__(logging.DEBUG)
+        self.lines: collections.deque[str] = collections.deque(maxlen=max(lines, 1))
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # a log line must never fail training
+            pass
+
+
+def make_task_fn(plans: list[WorkerPlan], wiring: TaskWiring) -> Callable[[Iterator], Iterator]:
+    """The mapInArrow body, built from plain values only."""
+
+    def task(batches: Iterator) -> Iterator:
+        from pyspark import BarrierTaskContext
+
+        for _ in batches:  # the input frame only fixes the number of tasks
+            pass
+        context = BarrierTaskContext.get()
+        plan = plans[context.partitionId()]
+        gpu = assigned_gpu(context.resources())
+        if plan.backend != "allreduce" and wiring.hosted is None and plan.stage is None:
+            yield from to_batches(run_rank(plan, wiring.ps, wiring, gpu=gpu))
+            return
+        yield from to_batches(_run_with_rendezvous(context, plan, wiring, gpu))
+
+    return task
+
+
+def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Optional[str]) -> dict:
+    from pipeline.launch.task.rendezvous import own_host, rendezvous, stage_listener
+
+    # Import what training needs before the rendezvous: a fresh Python worker's torch import must not eat
+    # into the deadlines that start there (a peer's PS wait, the connect watchdog).
+    from pipeline.worker import loop as _preloaded  # noqa: F401
+
+    host_ps = listener = None
+    try:
+        offer_error = None
+        if plan.rank == 0 and wiring.hosted is not None:
+            host_ps, offer_error = _start_hosted_ps(wiring, own_host(context, 0))
+        if plan.stage is not None and plan.stage.stage > 0 and offer_error is None:
+            listener, offer_error = stage_listener(context, plan, wiring.secret)
+        found, error = rendezvous(context, plan, ps=host_ps.server.address if host_ps is not None else None,
+                                  link=listener.address if listener is not None else None, offer_error=offer_error)
+        if error is not None:
+            return failure_row(plan.rank, error, "")
+        if host_ps is not None:
+            host_ps.watch()
+        address = found.ps or wiring.ps
+        if plan.stage is not None and plan.stage.ps:
+            address = plan.stage.ps  # this stage's server
+        stage_wiring = None
+        if plan.stage is not None:
+            from pipeline.worker.stage_loop import StageWiring
+
+            stage_wiring = StageWiring(listener, found.next_link)  # closed by the stage loop, and below
+        row = run_rank(plan, address, wiring, gpu=gpu, rendezvous=found.allreduce, stage_wiring=stage_wiring)
+        if host_ps is not None:
+            row = host_ps.finish(row)
+        return row
+    finally:
+        if listener is not None:
+            listener.close()
+        if host_ps is not None:
+            host_ps.__exit__(None, None, None)
+
+
+def _start_hosted_ps(wiring: TaskWiring, host: str):
+    """Rank 0: start the PS on this executor's address; (HostedPS, None) or (None, error text)."""
+    from pipeline.launch.task.hosted_ps import HostedPS
+
+    try:
+        return HostedPS(wiring.hosted, host, wiring.secret).__enter__(), None
+    except Exception as exc:  # noqa: BLE001 - every rank must still reach the allGather
+        log.exception("rank 0 could not start the parameter server")
+        return None, f"rank 0 could not start the parameter server (ps.placement=task): {type(exc).__name__}: {exc}"
+
+
+def assigned_gpu(resources) -> Optional[str]:
+    """The GPU address Spark gave this task (spark.task.resource.gpu.amount), or None."""
+    gpu = resources.get("gpu") if resources else None
+    addresses = list(getattr(gpu, "addresses", []) or [])
+    return str(addresses[0]) if addresses else None
+
+
+def choose_device(gpu: Optional[str]) -> str:
+    """cuda:<address> for the task's GPU when CUDA works here, else cpu (logged: a GPU was asked for)."""
+    if gpu is None:
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available() and gpu.isdigit() and int(gpu) < torch.cuda.device_count():
+        return f"cuda:{gpu}"
+    log.warning("Spark assigned GPU %s to this task but CUDA cannot use it here (torch.cuda.is_available()=%s); "
+                "training on cpu", gpu, torch.cuda.is_available())
+    return "cpu"
+
+
+def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskWiring, *, gpu: Optional[str] = None,
+             rendezvous=None, stage_wiring=None) -> dict:
+    """Run the worker for one rank; on failure return the error and this rank's log tail as the row."""
+    from pipeline.errors import is_retryable
+    from pipeline.worker import run
+
+    # host:parent-pid/pid — Python workers fork from one daemon per executor, so the parent pid tells
+    # executors apart on one host.
+    process = f"{socket.gethostname()}:{os.getppid()}/{os.getpid()}"
+    logger = logging.getLogger("pipeline")
+    handler = _TailHandler(wiring.log_tail_lines)
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        device = choose_device(gpu)
+        result = run(plan, address[0], int(address[1]), wiring.secret, device=device, rendezvous=rendezvous,
+                     log_tail=lambda: "\n".join(handler.lines), wiring=stage_wiring)
+        return {"rank": plan.rank, "ok": True, "error": None, "log_tail": None, "retryable": None,
+                "steps": result.steps, "samples": result.samples, "seconds": result.seconds,
+                "final_train_loss": result.final_train_loss, "process": process, "device": result.device,
+                "gpu": gpu, "parameters_digest": result.parameters_digest, "parameters": result.parameters,
+                "ps_report": None}
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver as a row
+        error = f"{type(exc).__name__}: {exc}"
+        if plan.stage is not None:  # name the stage too: a pipeline failure is located by (rank, stage)
+            error = f"{plan.stage.describe()}: {error}"
+        logger.error("rank %d failed: %s\n%s", plan.rank, error, traceback.format_exc())
+        return {**failure_row(plan.rank, error, "\n".join(handler.lines), process, retryable=is_retryable(exc)),
+                "gpu": gpu}
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+
+
+__all__ = ["TaskWiring", "make_task_fn", "run_rank"]
