@@ -73,9 +73,9 @@ class ScoringModel:
 
 
 def _tracking_uri(cfg: PipelineConfig) -> str:
-    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking import tracking_uri_of
 
-    return resolve_tracking_uri(cfg.tracking.uri, cfg.workdir)
+    return tracking_uri_of(cfg)
 
 
 def load_scoring_model(cfg: PipelineConfig, model_uri: str) -> ScoringModel:

@@ -40,6 +40,7 @@ from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, Default
 
 from pipeline.config.loader import build, deep_merge, parse_override, read_yaml
 from pipeline.config.schema import PipelineConfig
+from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, DataError
 from pipeline.models import model_from_flat
 
@@ -201,8 +202,7 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
         from pipeline.launch import train
 
         probe = self.pipeline_config()
-        run_dir = Path(probe.workdir).resolve() / "spark_ml" / probe.name
-        target = run_dir / "input"
+        target = Workdir.of(probe).spark_ml_input
         num_features = self._input_copy(dataset, probe, target)
         cfg = self.pipeline_config(str(target), num_features)
         spark = dataset.sparkSession

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config.schema import PipelineConfig
+from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, ShardlineError
 from pipeline.shards import MANIFEST_NAME, Manifest, load_manifest
 
@@ -38,7 +39,7 @@ class Promotion:
 
 
 def model_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.workdir) / "models" / cfg.name
+    return Workdir.of(cfg).models
 
 
 def etl(spark, cfg: PipelineConfig) -> Manifest:
@@ -59,9 +60,7 @@ def generate(spark, cfg: PipelineConfig) -> Path:
 
 
 def load_shards(cfg: PipelineConfig) -> Manifest:
-    from pipeline.etl import shards_dir
-
-    return load_manifest(shards_dir(cfg))
+    return load_manifest(Workdir.of(cfg).shards)
 
 
 MODEL_ARTIFACT_DIR = "shardline"
@@ -100,9 +99,9 @@ def load_saved_model(cfg: PipelineConfig):
 
 
 def tracking_uri(cfg: PipelineConfig) -> str:
-    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking import tracking_uri_of
 
-    return resolve_tracking_uri(cfg.tracking.uri, cfg.workdir)
+    return tracking_uri_of(cfg)
 
 
 def _input_example(manifest: Manifest, rows: int = 5):
@@ -120,9 +119,8 @@ def _resume_run_id(cfg: PipelineConfig, resume: bool) -> Optional[str]:
     if not resume:
         return None
     from pipeline.checkpoints import CheckpointStore
-    from pipeline.launch.train import checkpoint_dir
 
-    store = CheckpointStore(checkpoint_dir(cfg), cfg.train.keep_checkpoints)
+    store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints)
     latest = store.latest()
     if latest is None:
         raise ConfigError(f"--resume: no checkpoint in {store.directory} (train.checkpoint_dir); "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config.schema import PipelineConfig
+from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, DataError
 from pipeline.shards import Manifest, load_manifest
 from pipeline.steps import Promotion
@@ -69,7 +70,7 @@ class WorkflowState:
 
 
 def state_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.workflow.state_dir or Path(cfg.workdir) / "workflow" / cfg.name)
+    return Workdir.of(cfg).workflow_state
 
 
 def discover(root: Path, column: str) -> dict[str, str]:
@@ -98,7 +99,7 @@ def _partition_key(found: dict[str, str]) -> str:
 
 def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
     """One scheduled run: ETL new partitions, train on all of them, evaluate, promote or not."""
-    from pipeline.etl import run_etl, shards_dir
+    from pipeline.etl import run_etl
     from pipeline.shards.merge import merge_manifests
 
     if not cfg.data.path or cfg.data.source not in ("parquet", "csv"):
@@ -106,7 +107,8 @@ def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
                           f"partitioned into {cfg.workflow.partition_column}=<value> folders")
     column = cfg.workflow.partition_column
     root = Path(cfg.data.path)
-    state = WorkflowState.load(state_dir(cfg))
+    workdir = Workdir.of(cfg)
+    state = WorkflowState.load(workdir.workflow_state)
     found = discover(root, column)
     key = _partition_key(found)
     todo = [v for v in found if state.partitions.get(v, {}).get("fingerprint") != found[v]]
@@ -115,10 +117,9 @@ def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
                   f"and the current model was trained on exactly them (inputs {key[:19]}...)")
         log.info("%s", reason)
         return WorkflowOutcome(False, reason, sorted(found))
-    base = shards_dir(cfg)
     for value in todo:
         part_cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={
-            "path": str(root / f"{column}={value}"), "shards_dir": str(base / f"{column}={value}"),
+            "path": str(root / f"{column}={value}"), "shards_dir": str(workdir.shard_partition(column, value)),
             "classes": state.labels if state.labels is not None else cfg.data.classes})})
         statistics = (state.means, state.stds) if state.means is not None else None
         manifest = run_etl(spark, part_cfg, statistics=statistics)
@@ -132,7 +133,8 @@ def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
     for gone in sorted(set(state.partitions) - set(found)):
         log.warning("workflow: partition %s=%s is no longer in %s; training without it", column, gone, root)
         del state.partitions[gone]
-    merged = merge_manifests([load_manifest(base / f"{column}={v}") for v in sorted(found)], base, cfg.name)
+    parts = [load_manifest(workdir.shard_partition(column, v)) for v in sorted(found)]
+    merged = merge_manifests(parts, workdir.shards, cfg.name)
     with _parent_run(cfg) as parent:
         parent.set_tags({"shardline.workflow.processed": ",".join(todo) or "-",
                          "shardline.workflow.partitions": str(len(found)), "shardline.fingerprint": merged.fingerprint})

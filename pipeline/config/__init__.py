@@ -11,9 +11,10 @@ from pipeline.config.schema import (
     TrackingConfig,
     TrainConfig,
 )
+from pipeline.config.workdir import Workdir
 
 __all__ = [
     "build", "deep_merge", "load", "parse_override", "with_changes",
     "DataConfig", "ModelConfig", "ParallelismConfig", "PipelineConfig", "PSConfig", "SparkConfig",
-    "SplitConfig", "TrackingConfig", "TrainConfig",
+    "SplitConfig", "TrackingConfig", "TrainConfig", "Workdir",
 ]

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.config.schema import PipelineConfig
+from pipeline.config.workdir import Workdir
 from pipeline.etl.clean import (
     MAX_CLASSES, NONNUM_FLAGS, CastFrame, CleanReport, cast_with_flags, clean_report, configured_classes,
     describe_input, feature_columns, label_mapping)
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def shards_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.data.shards_dir) if cfg.data.shards_dir else Path(cfg.workdir) / "shards" / cfg.name
+    return Workdir.of(cfg).shards
 
 
 def row_bytes(num_features: int) -> int:

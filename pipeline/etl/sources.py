@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 from pipeline.config.schema import DataConfig
+from pipeline.config.workdir import hidden_sibling, raw_digits
 from pipeline.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ DIGITS_ID = "image_id"
 
 
 def digits_raw_path(data: DataConfig, workdir: str) -> Path:
-    return Path(data.path) if data.path else Path(workdir) / "raw" / "digits"
+    return raw_digits(data, workdir)
 
 
 def land_digits(target: Path) -> Path:
@@ -39,7 +39,7 @@ def land_digits(target: Path) -> Path:
     columns = {DIGITS_ID: pa.array(np.arange(len(pixels), dtype=np.int64))}
     columns.update({f"pixel_{i:02d}": pa.array(pixels[:, i]) for i in range(pixels.shape[1])})
     columns["label"] = pa.array(digits.target.astype(np.int64))
-    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging = hidden_sibling(target, "tmp", hex_chars=8)
     staging.mkdir(parents=True)
     try:
         pq.write_table(pa.table(columns), staging / "part-00000.parquet")

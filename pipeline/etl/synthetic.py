@@ -11,10 +11,10 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 from pipeline.config.schema import DataConfig
+from pipeline.config.workdir import hidden_sibling, raw_synthetic
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,7 @@ def default_parallelism(spark) -> int:
 
 
 def synthetic_raw_path(data: DataConfig, workdir: str) -> Path:
-    if data.path:
-        return Path(data.path)
-    s = data.synthetic
-    kind = f"c{s.classes}" if data.task == "classification" else "regression"
-    return Path(workdir) / "raw" / f"synthetic-{s.rows}x{s.features}-{kind}-s{s.seed}"
+    return raw_synthetic(data, workdir)
 
 
 def generate(spark, data: DataConfig, workdir: str, force: bool = False) -> Path:
@@ -62,7 +58,7 @@ def generate(spark, data: DataConfig, workdir: str, force: bool = False) -> Path
     classification = data.task == "classification"
     partitions = s.partitions or default_parallelism(spark)
     started = time.perf_counter()
-    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:12]}"
+    staging = hidden_sibling(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         frame = spark.range(0, s.rows, numPartitions=partitions).mapInArrow(

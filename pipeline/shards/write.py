@@ -10,10 +10,10 @@ import dataclasses
 import logging
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from pipeline.config.workdir import hidden_sibling
 from pipeline.errors import DataError
 from pipeline.shards.manifest import Manifest, Shard, ShardFile, SplitShards, fingerprint_files
 
@@ -23,14 +23,14 @@ SPLITS = ("train", "validation", "test")
 
 
 def staging_dir(target: Path) -> Path:
-    return target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:12]}"
+    return hidden_sibling(target, "staging")
 
 
 def commit(staging: Path, target: Path) -> None:
     """Swap the finished staging folder in. The old set is moved aside first and removed afterwards."""
     retired = None
     if target.exists():
-        retired = target.parent / f".{target.name}.retired-{uuid.uuid4().hex[:12]}"
+        retired = hidden_sibling(target, "retired")
         os.replace(target, retired)
     os.replace(staging, target)
     if retired is not None:

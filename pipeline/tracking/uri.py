@@ -7,29 +7,31 @@ import re
 from pathlib import Path
 from urllib.parse import unquote
 
-logger = logging.getLogger(__name__)
+from pipeline.config.schema import PipelineConfig
+from pipeline.config.workdir import SQLITE_PREFIX as _SQLITE_PREFIX
+from pipeline.config.workdir import TRACKING_URI_ENV, pick_tracking_uri, tracking_db
 
-TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
-_SQLITE_PREFIX = "sqlite:///"
+logger = logging.getLogger(__name__)
 
 
 def resolve_tracking_uri(configured: str | None, workdir: str | os.PathLike) -> str:
     """Pick the tracking URI: config key ``tracking.uri`` > env ``MLFLOW_TRACKING_URI`` > SQLite in workdir.
 
-    The default is ``sqlite:///<abs workdir>/mlflow.db``; the workdir is created if missing.
+    The default is ``sqlite:///<abs workdir>/mlflow.db`` (`Workdir.tracking_db`); the workdir is created
+    if missing, since SQLite creates the file but not its folder.
     """
-    if configured and configured.strip():
-        logger.debug("tracking URI from config: %s", configured)
-        return configured.strip()
-    from_env = os.environ.get(TRACKING_URI_ENV, "").strip()
-    if from_env:
-        logger.debug("tracking URI from %s: %s", TRACKING_URI_ENV, from_env)
-        return from_env
-    root = Path(workdir).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    uri = f"{_SQLITE_PREFIX}{root}/mlflow.db"
-    logger.debug("tracking URI defaulted to %s", uri)
+    uri, source = pick_tracking_uri(configured, workdir)
+    if source == "default":
+        tracking_db(workdir).parent.mkdir(parents=True, exist_ok=True)
+        logger.debug("tracking URI defaulted to %s", uri)
+    else:
+        logger.debug("tracking URI from %s: %s", source, uri)
     return uri
+
+
+def tracking_uri_of(cfg: PipelineConfig) -> str:
+    """The tracking URI of a config, its store's folder created (see resolve_tracking_uri)."""
+    return resolve_tracking_uri(cfg.tracking.uri, cfg.workdir)
 
 
 def sqlite_artifact_location(tracking_uri: str, experiment: str) -> str | None:
