@@ -113,11 +113,12 @@ class PSClient:
 
     def report_failure(self, exc: BaseException) -> None:
         """FAIL for ``exc`` with this rank's log tail, once (a later call for the same failure is a no-op).
-        A PSError is the server's side of a failure it already knows about: nothing is sent for it.
+        A PSError is the server's side of a failure it already knows about: nothing is sent for it — except
+        NonFiniteError, which a worker also raises itself (a NaN/Inf loss) and the server must hear as the cause.
 
         Called early by code that tears down something peers wait on (a process group), so the server
         hears the cause before the consequences."""
-        if isinstance(exc, PSError) or self._failure_reported:
+        if (isinstance(exc, PSError) and not isinstance(exc, NonFiniteError)) or self._failure_reported:
             return
         self._failure_reported = True
         tail = ""

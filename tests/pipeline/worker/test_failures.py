@@ -195,3 +195,15 @@ def test_errors_of_a_broken_group_or_link_keep_their_type(exc):
                                  IndexError("Target 5 is out of bounds.")])
 def test_errors_of_the_model_on_its_batch_are_made_model_input_errors(exc):
     assert not keeps_its_type(exc)
+
+
+def test_the_server_hears_a_workers_own_non_finite_loss_as_the_cause(tmp_path):
+    """A NaN loss is found on the worker before anything is pushed; its FAIL must still reach the PS, so
+    the driver's root cause names NonFiniteError rather than "closed its connection"."""
+    spec = _spec("nan_mlp")
+    secret = new_secret()
+    with ParameterServer(flat_parameters(build_model(spec)), _settings(), world_size=1, secret=secret,
+                         host="127.0.0.1") as server:
+        with pytest.raises(NonFiniteError):
+            run(_plan(tmp_path, spec, 0, 1), *server.address, secret)
+        assert "NonFiniteError" in server.root_failures[0].error, server.root_failures
