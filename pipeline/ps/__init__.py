@@ -1,7 +1,8 @@
-"""Parameter server: wire protocol, synchronous (BSP) server on the driver, worker client.
+"""Parameter server: wire protocol, server shards (sync, async, ssp, average), worker client.
 
-The server runs in a thread next to the SparkSession; barrier tasks connect with ``PSClient`` using
-the per-run secret from ``new_secret()``. Nothing here deserializes Python objects from the network.
+The server runs in threads next to the SparkSession (or in a task); it is built from one
+``PSSettings`` and barrier tasks connect with ``PSClient`` using the per-run secret from
+``new_secret()``. Nothing here deserializes Python objects from the network.
 """
 from __future__ import annotations
 
