@@ -41,6 +41,7 @@ from pipeline.errors import AuthenticationError, ProtocolError, PSError
 from pipeline.wire.deadline import CONNECT_KEY, LINK_KEY, Timeout, deadline_after
 from pipeline.wire.frames import HEADER_SIZE, U32_MAX, Channel, DType, PeerClosedError, tensor_view
 from pipeline.wire.handshake import (
+    HANDSHAKE_S,
     PeerRefused,
     Refusal,
     answer,
@@ -61,8 +62,6 @@ assert LINK_HEADER.size == HEADER_SIZE
 # 64 Mi floats (256 MiB) per frame unless the caller knows better (e.g. micro_rows * widest activation).
 DEFAULT_MAX_ELEMENTS = 1 << 26
 DEFAULT_TIMEOUT_S = 120.0
-# An honest peer answers the handshake at once; a silent socket must not hold the listener for long.
-HANDSHAKE_S = 10.0
 _MAX_ERROR_CHARS = 2000
 
 Secret = Union[bytes, str]
@@ -330,7 +329,7 @@ class StageListener:
         handshake are refused (ERROR frame, logged) and the wait goes on until the deadline.
         ``timeout_s``: the listener's ``connect_timeout`` unless given (a float is ``timeouts.connect_s``)."""
         wait = self.connect_timeout if timeout_s is None else Timeout.of(timeout_s, CONNECT_KEY)
-        deadline = wait.deadline()
+        deadline = deadline_after(wait)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -409,7 +408,7 @@ def connect_link(host: str, port: int, secret: Secret, generation: int, *, stage
     who = f"stage {stage} (rank {rank})"
     what = f"the link handshake of {who} with stage {stage + 1} at {host}:{port}"
     secret_b = secret_bytes(secret)
-    deadline = connect_wait.deadline()
+    deadline = deadline_after(connect_wait)
     sock = connect(host, port, connect_wait, who=who, peer=f"stage {stage + 1}",
                    advice="check that executors can reach each other")
     channel = _LinkChannel(sock, max_elements=0)

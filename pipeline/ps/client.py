@@ -26,11 +26,11 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError
+from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError, is_retryable
 from pipeline.ps.compression import Compressor
-from pipeline.ps.protocol import U32_MAX, Channel, Header, MsgType, ServerInfo, ShardInfo, parse_welcome
+from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo, parse_welcome
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
-from pipeline.wire.frames import PeerClosedError
+from pipeline.wire.frames import U32_MAX, PeerClosedError
 from pipeline.wire.handshake import client_handshake, refusal_text
 from pipeline.wire.sockets import connect
 
@@ -88,6 +88,8 @@ class PSClient:
         self.rank = rank
         self.generation = generation
         self.timeout_s = self.step_timeout.seconds
+        # How long a PULL or PUSH reply may take (computed once: it is on every step's path).
+        self._reply_wait = _pull_wait(self.step_timeout)
         # The FAIL sent when the `with` body raises carries this rank's recent log lines.
         self._log_tail = log_tail
         self._secret = bytes(secret)
@@ -115,6 +117,8 @@ class PSClient:
         """FAIL for ``exc`` with this rank's log tail, once (a later call for the same failure is a no-op).
         A PSError is the server's side of a failure it already knows about: nothing is sent for it — except
         NonFiniteError, which a worker also raises itself (a NaN/Inf loss) and the server must hear as the cause.
+        The FAIL says whether another attempt could succeed (``errors.is_retryable``), so the driver
+        does not retry what would fail the same way.
 
         Called early by code that tears down something peers wait on (a process group), so the server
         hears the cause before the consequences."""
@@ -127,7 +131,7 @@ class PSClient:
                 tail = self._log_tail()
             except Exception:  # a log tail is a nicety; the FAIL itself must go out
                 tail = ""
-        self.fail(f"{type(exc).__name__}: {exc}", tail)
+        self.fail(f"{type(exc).__name__}: {exc}", tail, retryable=is_retryable(exc))
 
     @property
     def info(self) -> ServerInfo | None:
@@ -180,7 +184,7 @@ class PSClient:
 
     def _handshake(self, host: str, port: int, timeout: Timeout) -> tuple[Channel, ServerInfo]:
         """Connect, answer the CHALLENGE (``pipeline.wire.handshake``), read the WELCOME."""
-        deadline = timeout.deadline()
+        deadline = deadline_after(timeout)
         sock = connect(host, port, timeout, who=f"rank {self.rank}", peer="the parameter server",
                        advice="check that executors can reach the driver")
         channel = Channel(sock, max_elements=0)
@@ -236,7 +240,7 @@ class PSClient:
 
     def _receive_params(self, links: list[_Link], what: str) -> tuple[int, torch.Tensor]:
         """Read every shard's PARAMS reply straight into its slice of the reusable buffer."""
-        wait = _pull_wait(self.step_timeout)
+        wait = self._reply_wait
         assert self._params_buf is not None and self._params is not None
         view = memoryview(self._params_buf)
 
@@ -269,7 +273,7 @@ class PSClient:
         assert self._info is not None
         what = f"the ACK of the gradient for step {step}"
         self._send_gradient(links, MsgType.PUSH, self._flat_gradient(step, grad), step, what)
-        return min(self._gather(links, MsgType.ACK, what, _pull_wait(self.step_timeout),
+        return min(self._gather(links, MsgType.ACK, what, self._reply_wait,
                                 lambda link, header: header.step))
 
     def push_pull(self, step: int, grad: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -309,16 +313,17 @@ class PSClient:
             timeout=self.timeout_s), what)
         self._gather(links, MsgType.ACK, what, self.step_timeout, lambda link, header: header.step)
 
-    def fail(self, error: str, log_tail: str = "") -> None:
-        """Tell every shard this rank failed, so its peers stop waiting at once. Best effort: never
-        raises, connects first if this client never connected, waits a few seconds at most."""
+    def fail(self, error: str, log_tail: str = "", retryable: bool = True) -> None:
+        """Tell every shard this rank failed, so its peers stop waiting at once; ``retryable`` False:
+        another attempt would fail the same way (recorded on the server's WorkerFailure). Best effort:
+        never raises, connects first if this client never connected, waits a few seconds at most."""
         wait = self.step_timeout.shorter(_FAIL_TIMEOUT_S)
         try:
             if not self._links and not self._ever_connected:
                 self._connect(self.connect_timeout.shorter(_FAIL_TIMEOUT_S))
             links = self._require()
             body = {"error": str(error)[:_MAX_FAIL_ERROR_CHARS],
-                    "log_tail": str(log_tail)[-_MAX_FAIL_LOG_CHARS:]}
+                    "log_tail": str(log_tail)[-_MAX_FAIL_LOG_CHARS:], "retryable": bool(retryable)}
             what = "the ACK of a FAIL report"
             self._send_all(links, lambda link: link.channel.send_json(
                 MsgType.FAIL, body, generation=self.generation, rank=self.rank, timeout=wait.seconds), what)
@@ -380,7 +385,7 @@ class PSClient:
         results: list[int] = []
         refused: PSError | None = None
         for link in links:
-            deadline = wait.deadline()
+            deadline = deadline_after(wait)
             try:
                 header = link.channel.recv_header(deadline)
                 if header.type is MsgType.ERROR:

@@ -24,8 +24,10 @@ from pipeline.errors import PSError
 from pipeline.ps.connection import RankConnection
 from pipeline.ps.messages import TIMEOUT, Refusal
 from pipeline.ps.optim import FusedSGD, build_optimizer
-from pipeline.ps.protocol import U32_MAX, MsgType
+from pipeline.ps.protocol import MsgType
 from pipeline.ps.settings import PSSettings
+from pipeline.wire.deadline import deadline_after
+from pipeline.wire.frames import U32_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class ShardCore:
 
     def wait_not_stepping_locked(self, what: str) -> None:
         """ssp/async: a push must not touch the sums while an update is being applied."""
-        deadline = self.step_timeout.deadline()
+        deadline = deadline_after(self.step_timeout)
         while self.stepping:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -30,11 +30,12 @@ from pipeline.ps.messages import (
     PushRequest,
     Refusal,
     Reply,
-    send_error,
 )
 from pipeline.ps.policies import ConsistencyPolicy
-from pipeline.ps.protocol import DType, Header, MsgType, PeerClosedError, deadline_after
-from pipeline.wire.deadline import Timeout
+from pipeline.ps.protocol import DType, Header, MsgType
+from pipeline.wire.deadline import Timeout, deadline_after
+from pipeline.wire.frames import PeerClosedError
+from pipeline.wire.handshake import send_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class RequestContext(Protocol):
     def in_flight(self) -> ContextManager[None]: ...
     def count_push_payload(self, nbytes: int) -> None: ...
     def count_protocol_error(self) -> None: ...
-    def record_failure(self, conn: RankConnection, error: str, log_tail: str = "") -> None: ...
+    def record_failure(self, conn: RankConnection, error: str, log_tail: str = "", *,
+                       retryable: bool = True) -> None: ...
     def record_drop(self, conn: RankConnection, what: str) -> None: ...
     def report_metrics(self, rank: int, metrics: dict[str, Any]) -> None: ...
     def finish(self, conn: RankConnection) -> None: ...
@@ -80,7 +82,7 @@ class Handler(Generic[R]):
 def _read_contribution(ctx: RequestContext, conn: RankConnection, header: Header) -> Contribution:
     if header.dtype is not DType.SPARSE_F32 and header.count != ctx.num_params:
         raise ProtocolError(f"PUSH of {header.count} elements, the model has {ctx.num_params}")
-    payload = conn.channel.recv_into(header, conn.grad_buf, deadline_after(ctx.step_timeout.seconds))
+    payload = conn.channel.recv_into(header, conn.grad_buf, deadline_after(ctx.step_timeout))
     ctx.count_push_payload(header.length)
     return Contribution(payload, header, ctx.num_params)  # validates sparse indices
 
@@ -117,7 +119,7 @@ class PullHandler(Handler[PullRequest]):
 
 class MetricsHandler(Handler[MetricsRequest]):
     def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> MetricsRequest:
-        return MetricsRequest(header.step, conn.channel.recv_json(header, deadline_after(ctx.step_timeout.seconds)))
+        return MetricsRequest(header.step, conn.channel.recv_json(header, deadline_after(ctx.step_timeout)))
 
     def handle(self, ctx: RequestContext, conn: RankConnection, request: MetricsRequest) -> Reply:
         ctx.report_metrics(conn.rank, request.metrics)
@@ -126,12 +128,15 @@ class MetricsHandler(Handler[MetricsRequest]):
 
 class FailHandler(Handler[FailRequest]):
     def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> FailRequest:
-        body = conn.channel.recv_json(header, deadline_after(ctx.step_timeout.seconds))
+        body = conn.channel.recv_json(header, deadline_after(ctx.step_timeout))
+        # Only a JSON false says "do not retry"; absent (an older worker) or anything else: retryable.
+        retryable = body.get("retryable", True)
         return FailRequest(header.step, str(body.get("error", "worker reported a failure"))[:MAX_ERROR_CHARS],
-                           str(body.get("log_tail", ""))[-MAX_LOG_TAIL_CHARS:])
+                           str(body.get("log_tail", ""))[-MAX_LOG_TAIL_CHARS:],
+                           retryable=retryable if isinstance(retryable, bool) else True)
 
     def handle(self, ctx: RequestContext, conn: RankConnection, request: FailRequest) -> Reply:
-        ctx.record_failure(conn, request.error, request.log_tail)
+        ctx.record_failure(conn, request.error, request.log_tail, retryable=request.retryable)
         return Ack(request.step)
 
 
@@ -178,8 +183,8 @@ def serve_request(ctx: RequestContext, conn: RankConnection, header: Header) -> 
         try:
             deliver(ctx, conn, handler.handle(ctx, conn, request))
         except Refusal as refusal:
-            send_error(conn.channel, str(refusal), kind=refusal.kind, generation=conn.generation,
-                       rank=conn.rank, step=header.step, timeout_s=ctx.step_timeout.seconds)
+            send_refusal(conn.channel, str(refusal), kind=refusal.kind, generation=conn.generation,
+                         rank=conn.rank, step=header.step, timeout=ctx.step_timeout.seconds)
     return handler.ends_connection
 
 
@@ -201,8 +206,8 @@ def serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> No
         except ProtocolError as exc:
             logger.warning("protocol error from rank %s (%s): %s", conn.rank, peer, exc)
             ctx.count_protocol_error()
-            send_error(channel, f"protocol error: {exc}", kind=PROTOCOL, generation=conn.generation,
-                       rank=conn.rank, timeout_s=ctx.step_timeout.seconds)
+            send_refusal(channel, f"protocol error: {exc}", kind=PROTOCOL, generation=conn.generation,
+                         rank=conn.rank, timeout=ctx.step_timeout.seconds)
             ctx.record_drop(conn, f"sent a malformed frame and was disconnected: {exc}")
             return
         except TimeoutError:

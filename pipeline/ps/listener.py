@@ -3,8 +3,9 @@ HMAC handshake (CHALLENGE -> AUTH -> WELCOME).
 
 Why one thread per connection: only that thread writes to its socket, so frames never interleave.
 Connections are capped so a flood of unauthenticated sockets cannot exhaust threads or memory, and an
-unauthenticated socket gets at most ``HANDSHAKE_S`` to prove the secret: an honest worker answers the
-CHALLENGE at once, and silent sockets must not hold slots for a whole step deadline.
+unauthenticated socket gets at most ``HANDSHAKE_S`` (``pipeline.wire.handshake``) to prove the secret:
+an honest worker answers the CHALLENGE at once, and silent sockets must not hold slots for a whole step
+deadline.
 
 ``authenticate`` is the wire part of the handshake on its own (nonce, AUTH, MAC check): the shared
 ``pipeline.wire.handshake.server_handshake``, one-way; admission and the WELCOME stay here.
@@ -15,20 +16,19 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline.errors import PSError
 from pipeline.ps.connection import RankConnection
-from pipeline.ps.messages import AUTH, send_error
-from pipeline.ps.protocol import Channel, MsgType, set_buffer_sizes, set_socket_options
+from pipeline.ps.messages import AUTH
+from pipeline.ps.protocol import Channel, MsgType
 from pipeline.ps.stats import ShardStats
 from pipeline.wire.deadline import Timeout
-from pipeline.wire.handshake import Refusal, server_handshake
+from pipeline.wire.handshake import HANDSHAKE_S, Claim, Refusal, send_refusal, server_handshake
+from pipeline.wire.sockets import listen, set_socket_options
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_S = 10.0  # longest wait for a new connection's AUTH
 _JOIN_DEADLINE_S = 2.0
 _ACCEPT_POLL_S = 0.25
 
@@ -44,23 +44,15 @@ class HandshakeRejected(Exception):
         self.rank = rank
 
 
-@dataclass(frozen=True)
-class Claim:
-    """A verified AUTH: the peer holds the secret for ``rank`` and ``generation`` (admission is next)."""
-
-    rank: int
-    generation: int
-
-
 def authenticate(channel: Channel, *, secret: bytes, generation: int, timeout: Timeout) -> Claim:
     """CHALLENGE with a fresh nonce, then the peer's AUTH must carry the MAC of the secret over it,
-    bound to the rank and generation it claims. Returns that claim; raises HandshakeRejected."""
+    bound to the rank and generation it claims. Returns that claim (one-way: no nonce of the peer's;
+    admission is next); raises HandshakeRejected."""
     try:
-        claim = server_handshake(channel, secret, rank=0, generation=generation,
-                                 timeout=timeout.shorter(HANDSHAKE_S))
+        return server_handshake(channel, secret, rank=0, generation=generation,
+                                timeout=timeout.shorter(HANDSHAKE_S))
     except Refusal as refused:
         raise HandshakeRejected(refused.reason) from None
-    return Claim(claim.rank, claim.generation)
 
 
 class ConnectionHost(Protocol):
@@ -99,14 +91,12 @@ class ShardListener:
     def bind(self) -> tuple[str, int]:
         """Bind ``host:port`` (port 0 = OS-chosen); returns the bound address. Nothing is accepted
         before ``start_accepting()``, so the shard can finish what every WELCOME announces first."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        try:
-            listener = socket.create_server((self._host, self._port), family=family, backlog=128)
+        try:  # with the large buffers, inherited by accepted sockets from the SYN on
+            listener = listen(self._host, self._port, backlog=128)
         except OSError as exc:
             raise PSError(f"parameter server could not bind {self._host}:{self._port}: {exc} "
                           "(check ps.host / spark.driver.host)") from exc
         listener.settimeout(_ACCEPT_POLL_S)
-        set_buffer_sizes(listener)  # inherited by accepted sockets, so it is in place from the SYN on
         self._listener = listener
         host, port = listener.getsockname()[:2]
         self.address = (host, port)
@@ -226,6 +216,6 @@ class ShardListener:
         logger.warning("rejected PS connection from %s: %s", peer, rejected.reason)
         with self._cond:
             self._stats.rejected_connections += 1
-        send_error(channel, rejected.reason, kind=rejected.kind, generation=rejected.generation,
-                   rank=rejected.rank, timeout_s=self._timeout.seconds)
+        send_refusal(channel, rejected.reason, kind=rejected.kind, generation=rejected.generation,
+                     rank=rejected.rank, timeout=self._timeout.seconds)
 

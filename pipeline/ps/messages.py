@@ -1,6 +1,7 @@
 """The requests a shard serves and the replies it sends, as types (after Horovod's request/response
 classes in ``spark/driver/driver_service.py``): a handler reads one request off the wire, returns one
-reply or raises a :class:`Refusal`, which reaches the worker as an ERROR frame of its ``kind``.
+reply or raises a :class:`Refusal`, which reaches the worker as an ERROR frame of its ``kind``
+(``pipeline.wire.handshake.send_refusal``, the same frame a refused handshake gets).
 
 Why refusals have kinds: the client turns each kind into its own exception (``PSClient._refusal``),
 so a worker can tell a deadline from a protocol error from a NaN it would only replay on retry.
@@ -10,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from pipeline.errors import PSError
 from pipeline.ps.compression import Contribution
-from pipeline.ps.protocol import Channel, MsgType
 
 # ERROR frame kinds (the ``kind`` field the client maps to an exception type).
 ERROR = "error"
@@ -68,6 +67,8 @@ class FailRequest:
     step: int
     error: str
     log_tail: str
+    # False when the worker knows another attempt would fail the same way (errors.is_retryable).
+    retryable: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,3 @@ class Params:
 
 Reply = Union[Ack, Params]
 
-
-def send_error(channel: Channel, message: str, *, kind: str, generation: int, rank: int, step: int = 0,
-               timeout_s: float) -> None:
-    """Best effort: the peer may already be gone, and a refusal must never fail the server."""
-    try:
-        channel.send_json(MsgType.ERROR, {"error": message[:MAX_ERROR_CHARS], "kind": kind},
-                          generation=generation, rank=rank, step=step, timeout=timeout_s)
-    except (OSError, PSError):
-        pass

@@ -29,6 +29,7 @@ from pipeline.ps.failures import FailureLedger
 from pipeline.ps.messages import NONFINITE, TIMEOUT, Refusal
 from pipeline.ps.modes import Consistency
 from pipeline.ps.stats import ShardStats
+from pipeline.wire.deadline import deadline_after
 
 
 class ConsistencyPolicy:
@@ -105,6 +106,30 @@ class ConsistencyPolicy:
         """Wait until ``wanted`` may be served; returns the version, with a reader registered for it."""
         raise NotImplementedError
 
+    def _await_version(self, conn: RankConnection, wanted: int) -> int:
+        """The wait of a PULL for version ``wanted`` (sync, average, async): until the version reached it
+        with no update in flight, refused as soon as the request cannot be served
+        (:meth:`_unreachable_locked`) or the step deadline passes. Returns the version, with a reader
+        registered for it."""
+        core = self.core
+        deadline = deadline_after(self.timeout)
+        with core.cond:
+            while True:
+                self._refuse_if_unservable_locked(conn)
+                if core.version >= wanted and not core.stepping:
+                    return core.begin_read_locked(conn)
+                self._unreachable_locked(conn, wanted)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Refusal(self._version_timeout_text_locked(wanted), kind=TIMEOUT)
+                core.cond.wait(left)
+
+    def _unreachable_locked(self, conn: RankConnection, wanted: int) -> None:
+        """Raise Refusal if version ``wanted`` can never be reached for ``conn`` (the wait would only time out)."""
+
+    def _version_timeout_text_locked(self, wanted: int) -> str:
+        return self.timeout.message(f"version {wanted} (at {self.core.version})")
+
     def push_pull(self, conn: RankConnection, step: int, grad: Contribution) -> int:
         """PUSH(step) then PULL(step + 1) as one request: one round trip per step instead of two."""
         self.push(conn, step, grad)
@@ -163,30 +188,22 @@ class SyncPolicy(ConsistencyPolicy):
         return step
 
     def pull(self, conn: RankConnection, wanted: int) -> int:
-        core = self.core
-        deadline = self.timeout.deadline()
-        with core.cond:
-            while True:
-                self._refuse_if_unservable_locked(conn)
-                if core.version >= wanted and not core.stepping:
-                    break
-                # While stepping the version is about to move: wait for it below.
-                if not core.stepping and (wanted > core.version + 1 or conn.rank not in self.pushed):
-                    raise Refusal(
-                        f"rank {conn.rank} asked for version {wanted} but the server is at version "
-                        f"{core.version} and rank {conn.rank} has not pushed step {core.version}; "
-                        "in synchronous mode a rank may only wait for the step it has pushed")
-                gone = sorted(r for r in self.roster.finished if r not in self.pushed)
-                if gone:
-                    raise Refusal(f"rank(s) {', '.join(map(str, gone))} finished without pushing step "
-                                  f"{core.version}, so version {wanted} can never be reached")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Refusal(self._timeout_text_locked(wanted), kind=TIMEOUT)
-                core.cond.wait(left)
-            return core.begin_read_locked(conn)
+        return self._await_version(conn, wanted)
 
-    def _timeout_text_locked(self, wanted: int) -> str:
+    def _unreachable_locked(self, conn: RankConnection, wanted: int) -> None:
+        core = self.core
+        # While stepping the version is about to move: wait for it.
+        if not core.stepping and (wanted > core.version + 1 or conn.rank not in self.pushed):
+            raise Refusal(
+                f"rank {conn.rank} asked for version {wanted} but the server is at version "
+                f"{core.version} and rank {conn.rank} has not pushed step {core.version}; "
+                "in synchronous mode a rank may only wait for the step it has pushed")
+        gone = sorted(r for r in self.roster.finished if r not in self.pushed)
+        if gone:
+            raise Refusal(f"rank(s) {', '.join(map(str, gone))} finished without pushing step "
+                          f"{core.version}, so version {wanted} can never be reached")
+
+    def _version_timeout_text_locked(self, wanted: int) -> str:
         missing = sorted(set(range(self.world_size)) - self.pushed)
         never = self.roster.never_connected_locked(missing)
         what = (f"version {wanted}: rank(s) {', '.join(map(str, missing))} had not pushed step "
@@ -357,18 +374,7 @@ class AsyncPolicy(_ClockPolicy):
 
     def pull(self, conn: RankConnection, wanted: int) -> int:
         """PULL(v) waits until version >= v (workers ask for 0: it never blocks)."""
-        core = self.core
-        deadline = self.timeout.deadline()
-        with core.cond:
-            while True:
-                self._refuse_if_unservable_locked(conn)
-                if core.version >= wanted and not core.stepping:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Refusal(self.timeout.message(f"version {wanted} (at {core.version})"), kind=TIMEOUT)
-                core.cond.wait(left)
-            return core.begin_read_locked(conn)
+        return self._await_version(conn, wanted)
 
     def push_pull(self, conn: RankConnection, step: int, grad: Contribution) -> int:
         raise Refusal("PUSH_PULL is not available in async mode (the push's ACK carries the version it "

@@ -5,8 +5,9 @@ pipeline stage links); this module adds what only the parameter server speaks: t
 (:class:`MsgType`, whose handshake codes are the wire's), which dtypes and sizes each may carry, and
 the validation of a header against what this receiver expects (``max_elements``: the parameter count),
 all before a payload byte is read. Tensor payloads are raw bytes viewed with ``torch.frombuffer``; JSON
-payloads (metrics, errors) are capped at 1 MiB. The names this module re-exports from
-``pipeline.wire`` (Header, Channel's base, HMAC, socket options) are the PS's vocabulary too.
+payloads (metrics, errors) are capped at 1 MiB. It re-exports :class:`Header` and :class:`DType` from
+``pipeline.wire.frames``, the vocabulary every PS frame is built from; everything else of the wire
+(constants, HMAC, deadlines, sockets) is imported from ``pipeline.wire`` itself.
 
 Header layout: the wire's standard 48-byte header (``pipeline.wire.frames``)::
 
@@ -15,7 +16,6 @@ Header layout: the wire's standard 48-byte header (``pipeline.wire.frames``)::
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Optional
@@ -24,39 +24,27 @@ import torch
 
 from pipeline.errors import PSError, ProtocolError
 from pipeline.wire import frames as _frames
-from pipeline.wire.deadline import deadline_after
 from pipeline.wire.frames import (
-    HEADER,
-    HEADER_SIZE,
     MAC_SIZE,
-    MAGIC,
     MAX_JSON_BYTES,
     NONCE_SIZE,
-    PROTOCOL_VERSION,
-    U32_MAX,
     Buffer,
     Control,
     DType,
     Header,
-    PeerClosedError,
     decode_json,
-    encode_json,
     tensor_view,
     unpack_header,
 )
-from pipeline.wire.handshake import auth_mac, verify_mac
-from pipeline.wire.sockets import SOCKET_BUFFER_BYTES, set_buffer_sizes, set_socket_options
 
 __all__ = [
-    "HEADER", "HEADER_SIZE", "MAC_SIZE", "MAGIC", "MAX_JSON_BYTES", "NONCE_SIZE", "PROTOCOL_VERSION",
-    "SOCKET_BUFFER_BYTES", "U32_MAX", "Buffer", "Channel", "DType", "Header", "MsgType", "PeerClosedError",
-    "auth_mac", "deadline_after", "decode_header", "decode_json", "decode_tensor", "encode_json",
-    "set_buffer_sizes", "set_socket_options", "tensor_bytes", "verify_mac", "DEFAULT_TENSOR_DTYPES",
+    # This protocol's own names.
+    "Channel", "MsgType", "decode_header", "decode_tensor", "tensor_bytes", "DEFAULT_TENSOR_DTYPES",
     "DTYPE_OF_TORCH", "EMPTY_TYPES", "FIXED_SIZE_TYPES", "ITEMSIZE", "JSON_TYPES", "TENSOR_TYPES",
     "TORCH_DTYPES", "ServerInfo", "ShardInfo", "parse_welcome",
+    # Re-exported from pipeline.wire.frames: what PS frames are built from.
+    "DType", "Header",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 class MsgType(IntEnum):
@@ -223,8 +211,8 @@ class Channel(_frames.Channel):
     def recv_header(self, deadline: Optional[float], *,
                     tensor_dtypes: frozenset[DType] = DEFAULT_TENSOR_DTYPES) -> Header:
         """Read and validate the next header; raises PeerClosedError on a clean EOF."""
-        self._recv_exact(self._header_view, deadline, frame_start=True)
-        return decode_header(self._header_buf, max_elements=self.max_elements, tensor_dtypes=tensor_dtypes)
+        return decode_header(self.recv_header_bytes(deadline), max_elements=self.max_elements,
+                             tensor_dtypes=tensor_dtypes)
 
     def recv_json(self, header: Header, deadline: Optional[float]) -> dict[str, Any]:
         """Read a JSON object payload (capped at MAX_JSON_BYTES by decode_header)."""

@@ -29,14 +29,16 @@ from pipeline.ps.connection import RankConnection, Roster, ShardAddress
 from pipeline.ps.core import ShardCore
 from pipeline.ps.dispatch import serve_requests
 from pipeline.ps.failures import FailureLedger, FailureSink, drop_text
-from pipeline.ps.listener import Claim, HandshakeRejected, ShardListener
+from pipeline.ps.listener import HandshakeRejected, ShardListener
 from pipeline.ps.messages import ERROR
 from pipeline.ps.modes import Consistency
 from pipeline.ps.policies import ConsistencyPolicy, make_policy
-from pipeline.ps.protocol import U32_MAX, Channel, DType
+from pipeline.ps.protocol import Channel, DType
 from pipeline.ps.settings import PSSettings
 from pipeline.ps.stats import ShardStats
 from pipeline.wire.deadline import Timeout
+from pipeline.wire.frames import U32_MAX
+from pipeline.wire.handshake import Claim
 
 logger = logging.getLogger(__name__)
 
@@ -277,13 +279,13 @@ class ShardServer:
         return True
 
     def record_failure(self, conn: RankConnection, error: str, log_tail: str = "",
-                       consequence: bool = False) -> None:
+                       consequence: bool = False, *, retryable: bool = True) -> None:
         with self._cond:
             if conn.superseded or self._core.closed or conn.generation != self._core.generation:
                 return
             if conn.rank in self._ledger.failures or conn.rank in self._roster.finished:
                 return
-        failure = WorkerFailure(conn.rank, error, log_tail)
+        failure = WorkerFailure(conn.rank, error, log_tail, retryable)
         if self._failure_sink is not None:
             # Outside our lock: the sink takes every shard's lock in turn (never two at once).
             self._failure_sink(failure, consequence, conn.generation)

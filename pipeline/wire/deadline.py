@@ -47,10 +47,6 @@ class Timeout:
             return f"raise {self.key} (unset: it follows {self.inherited_from})"
         return f"raise {self.key}"
 
-    def deadline(self) -> float:
-        """The monotonic time at which a wait starting now runs out."""
-        return time.monotonic() + self.seconds
-
     def message(self, what: str, *, why: str = "") -> str:
         """``timed out after 2s waiting for <what>[; <why>]; raise <key>``."""
         return f"timed out after {self.seconds:g}s waiting for {what}{'; ' + why if why else ''}; {self.hint}"
@@ -64,7 +60,8 @@ class Timeout:
 
 
 def deadline_after(wait: Union[Timeout, float, None]) -> Optional[float]:
-    """Monotonic deadline ``wait`` (seconds or a Timeout) from now; None means wait without limit."""
+    """The monotonic time at which a wait of ``wait`` (seconds or a Timeout) starting now runs out;
+    None means wait without limit. The one way to turn a wait into a deadline."""
     if wait is None:
         return None
     return time.monotonic() + (wait.seconds if isinstance(wait, Timeout) else wait)

@@ -10,7 +10,8 @@ proves itself; the server's WELCOME follows).
 
 Client side: :func:`client_handshake`. Server side: :func:`server_handshake` (then the caller's own
 admission checks: generation, rank range, duplicates) and, when mutual, :func:`answer`. A refusal goes
-back as an ERROR frame (:func:`send_refusal`) before the listener hangs up.
+back as an ERROR frame (:func:`send_refusal`) before the listener hangs up; the parameter server sends
+its refusals of requests the same way. A listener gives a new connection at most :data:`HANDSHAKE_S`.
 
 Headers are read with the channel's own decoder, so a protocol that validates more frame types (the
 parameter server) reports a wrong frame by its name and refuses bad sizes before reading a payload.
@@ -29,6 +30,9 @@ from pipeline.wire.deadline import Timeout, deadline_after, remaining
 from pipeline.wire.frames import NONCE_SIZE, Buffer, Channel, Control
 
 MAX_REFUSAL_CHARS = 64 * 1024
+# The longest a listener waits for a new connection's handshake: an honest peer answers at once, and a
+# silent socket must not hold the listener (or a connection slot) for a whole step or link deadline.
+HANDSHAKE_S = 10.0
 
 
 def auth_mac(secret: bytes, nonce: bytes, rank: int, generation: int) -> bytes:
@@ -170,7 +174,8 @@ def server_handshake(channel: Channel, secret: bytes, *, rank: int, generation: 
 def send_refusal(channel: Channel, reason: str, *, generation: int, rank: int, kind: str = "auth",
                  step: int = 0, timeout: Optional[float] = 1.0,
                  max_chars: int = MAX_REFUSAL_CHARS) -> None:
-    """Best effort: an ERROR frame {error: reason, kind}; a peer that is already gone is not an error."""
+    """Best effort: an ERROR frame {error: reason, kind} (``kind`` tells the peer which exception to
+    raise); a peer that is already gone is not an error, and a refusal never fails the sender."""
     try:
         channel.send_json(Control.ERROR, {"error": reason[:max_chars], "kind": kind},
                           generation=generation, rank=rank, step=step, timeout=timeout)

@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from pipeline.errors import AuthenticationError, PSError, PSTimeoutError
+from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError
 from pipeline.ps import PSClient, new_secret
+from pipeline.ps import client as client_module
 from pipeline.ps.protocol import Channel, MsgType
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout
 from pipeline.wire.frames import MAX_JSON_BYTES, PeerClosedError
@@ -167,3 +168,43 @@ def test_a_float_timeout_follows_ps_timeout_s(silent) -> None:
         c.connect()
     with pytest.raises(PSError, match=r"timeouts.step_s \(from ps.timeout_s\) must be > 0, got 0"):
         PSClient(host, port, rank=1, secret=new_secret(), timeout_s=0)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("exc, retryable", [
+    (NonFiniteError("loss is nan at step 3"), False),  # the same numbers would fail again
+    (RuntimeError("loader crashed on shard 7"), True),
+])
+def test_report_failure_tells_the_server_whether_a_retry_could_succeed(make_server, make_client, shards, exc,
+                                                                       retryable) -> None:
+    server = make_server(world_size=2, shards=shards)
+    c = make_client(server, 1)
+    c.connect()
+    c.report_failure(exc)  # returns once every shard acknowledged the FAIL
+    assert server.failures[1].retryable is retryable
+    assert server.root_failures[1].retryable is retryable
+    assert server.failures[1].error == f"{type(exc).__name__}: {exc}"
+
+
+def test_fail_sends_retryable_as_given(make_server, make_client) -> None:
+    server = make_server(world_size=2)
+    make_client(server, 0).fail("bad config", retryable=False)
+    make_client(server, 1).fail("CUDA error: out of memory")
+    assert (server.failures[0].retryable, server.failures[1].retryable) == (False, True)
+
+
+def test_the_reply_wait_is_computed_once_not_per_request(make_server, make_client, monkeypatch) -> None:
+    server = make_server(world_size=1)
+    c = make_client(server, 0)
+    # ps.timeout_s 1.5 plus the margin for the server's own ERROR: max(0.5, 25%).
+    assert c._reply_wait == Timeout(2.0, STEP_KEY, "ps.timeout_s")
+
+    def rebuilt(timeout: Timeout) -> Timeout:
+        raise AssertionError("the PULL/ACK wait was rebuilt on the step path")
+
+    monkeypatch.setattr(client_module, "_pull_wait", rebuilt)
+    with c:
+        assert c.pull(0)[0] == 0
+        assert c.push(0, torch.ones(6)) == 0
+        assert c.push_pull(1, torch.ones(6))[0] == 2
+        c.finish()

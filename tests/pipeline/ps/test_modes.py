@@ -11,7 +11,8 @@ from pipeline.errors import PSError
 from pipeline.ps import OptimizerSpec, ParameterServer
 from pipeline.ps.compression import Compressor
 from pipeline.ps.modes import Consistency, averaging_rounds, expected_version, resume_step
-from pipeline.ps.protocol import Channel, MsgType, auth_mac
+from pipeline.ps.protocol import Channel, MsgType
+from pipeline.wire.handshake import auth_mac
 
 N = 6
 

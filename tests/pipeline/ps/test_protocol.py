@@ -11,11 +11,13 @@ import torch
 from pipeline.errors import PSError, ProtocolError
 from pipeline.ps import protocol as p
 from pipeline.ps.protocol import DType, Header, MsgType
+from pipeline.wire import frames
+from pipeline.wire.deadline import deadline_after
 
 
-def raw_header(*, magic=p.MAGIC, version=p.PROTOCOL_VERSION, type_code=int(MsgType.PULL), generation=1,
-               rank=0, step=0, dtype=0, count=0, length=0) -> bytes:
-    return p.HEADER.pack(magic, version, type_code, generation, rank, step, dtype, count, length)
+def raw_header(*, magic=frames.MAGIC, version=frames.PROTOCOL_VERSION, type_code=int(MsgType.PULL),
+               generation=1, rank=0, step=0, dtype=0, count=0, length=0) -> bytes:
+    return frames.HEADER.pack(magic, version, type_code, generation, rank, step, dtype, count, length)
 
 
 def decode(data: bytes, max_elements: int = 10, **kw) -> Header:
@@ -23,21 +25,21 @@ def decode(data: bytes, max_elements: int = 10, **kw) -> Header:
 
 
 @pytest.mark.parametrize("header", [
-    Header(MsgType.CHALLENGE, 1, 0, length=p.NONCE_SIZE),
-    Header(MsgType.AUTH, 7, 3, length=p.MAC_SIZE),
+    Header(MsgType.CHALLENGE, 1, 0, length=frames.NONCE_SIZE),
+    Header(MsgType.AUTH, 7, 3, length=frames.MAC_SIZE),
     Header(MsgType.WELCOME, 1, 2, length=100),
     Header(MsgType.PULL, 2**32 - 1, 2**32 - 1, step=2**63 - 1),
     Header(MsgType.PARAMS, 1, 0, step=5, dtype=DType.FLOAT32, count=10, length=40),
     Header(MsgType.PUSH, 1, 1, step=-1, dtype=DType.FLOAT32, count=3, length=12),
     Header(MsgType.ACK, 1, 0),
-    Header(MsgType.METRICS, 1, 0, length=p.MAX_JSON_BYTES),
+    Header(MsgType.METRICS, 1, 0, length=frames.MAX_JSON_BYTES),
     Header(MsgType.FAIL, 1, 0, length=10),
     Header(MsgType.FINISH, 1, 0),
     Header(MsgType.ERROR, 1, 0, length=5),
 ])
 def test_header_round_trip(header: Header) -> None:
     packed = header.pack()
-    assert len(packed) == p.HEADER_SIZE == 48
+    assert len(packed) == frames.HEADER_SIZE == 48
     assert decode(packed) == header
 
 
@@ -62,7 +64,7 @@ def test_header_is_little_endian_with_magic_first() -> None:
     (raw_header(type_code=int(MsgType.PUSH), dtype=0, count=3, length=12), "dtype NONE is not accepted"),
     (raw_header(type_code=int(MsgType.PUSH), dtype=2, count=3, length=6), "FLOAT16 is not accepted"),
     # non-tensor frames
-    (raw_header(type_code=int(MsgType.METRICS), length=p.MAX_JSON_BYTES + 1), "exceeds"),
+    (raw_header(type_code=int(MsgType.METRICS), length=frames.MAX_JSON_BYTES + 1), "exceeds"),
     (raw_header(type_code=int(MsgType.ERROR), length=2**64 - 1), "exceeds"),
     (raw_header(type_code=int(MsgType.AUTH), length=31), "must be 32 bytes"),
     (raw_header(type_code=int(MsgType.CHALLENGE), length=1 << 30), "must be 32 bytes"),
@@ -126,24 +128,24 @@ def test_channel_tensor_and_json_round_trip(pair) -> None:
     ca.send_tensor(MsgType.PUSH, grad, generation=3, rank=1, step=9, timeout=1)
     ca.send_json(MsgType.METRICS, {"loss": 0.5, "n": [1, 2]}, generation=3, rank=1, timeout=1)
     buf = bytearray(32)
-    header = cb.recv_header(p.deadline_after(1))
+    header = cb.recv_header(deadline_after(1))
     assert (header.type, header.generation, header.rank, header.step, header.count) == (
         MsgType.PUSH, 3, 1, 9, 8)
-    payload = cb.recv_into(header, buf, p.deadline_after(1))
+    payload = cb.recv_into(header, buf, deadline_after(1))
     assert torch.equal(p.decode_tensor(payload, header), grad)
-    header = cb.recv_header(p.deadline_after(1))
-    assert cb.recv_json(header, p.deadline_after(1)) == {"loss": 0.5, "n": [1, 2]}
-    assert ca.bytes_sent == cb.bytes_received == 2 * p.HEADER_SIZE + 32 + header.length
+    header = cb.recv_header(deadline_after(1))
+    assert cb.recv_json(header, deadline_after(1)) == {"loss": 0.5, "n": [1, 2]}
+    assert ca.bytes_sent == cb.bytes_received == 2 * frames.HEADER_SIZE + 32 + header.length
 
 
 def test_channel_detects_clean_close_truncation_and_timeout(pair) -> None:
     ca, cb = pair
     with pytest.raises(TimeoutError):
-        cb.recv_header(p.deadline_after(0.05))
+        cb.recv_header(deadline_after(0.05))
     ca.sock.sendall(Header(MsgType.FAIL, 1, 0, length=10).pack() + b'{"err')
-    header = cb.recv_header(p.deadline_after(1))
+    header = cb.recv_header(deadline_after(1))
     ca.sock.shutdown(socket.SHUT_WR)
     with pytest.raises(ProtocolError, match="truncated frame"):
-        cb.recv_json(header, p.deadline_after(1))
-    with pytest.raises(p.PeerClosedError):
-        cb.recv_header(p.deadline_after(1))
+        cb.recv_json(header, deadline_after(1))
+    with pytest.raises(frames.PeerClosedError):
+        cb.recv_header(deadline_after(1))

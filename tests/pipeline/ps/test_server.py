@@ -13,7 +13,10 @@ import torch
 
 from pipeline.errors import AuthenticationError, PSError, PSTimeoutError, WorkerFailure
 from pipeline.ps import OptimizerSpec, ParameterServer, PSClient
-from pipeline.ps.protocol import MAGIC, Channel, Header, MsgType, auth_mac
+from pipeline.ps.protocol import Channel, Header, MsgType
+from pipeline.wire.deadline import deadline_after
+from pipeline.wire.frames import MAGIC
+from pipeline.wire.handshake import auth_mac
 
 TIMEOUT_S = 1.5
 JOIN_S = 10.0  # a hung thread fails the test instead of hanging the suite
@@ -490,3 +493,27 @@ def test_finite_check_is_exact_even_when_the_sum_overflows() -> None:
     assert not _all_finite(torch.tensor([0.0, float("inf")]))
     assert not _all_finite(torch.tensor([float("nan"), 1.0]))
     assert not _all_finite(torch.tensor([float("inf"), float("-inf")]))
+
+
+@pytest.mark.parametrize("extra, retryable", [
+    ({}, True),  # a worker that does not say: retryable, as before the flag existed
+    ({"retryable": False}, False),
+    ({"retryable": True}, True),
+    # Only a JSON false means "do not retry": the network's types are not trusted.
+    ({"retryable": "false"}, True),
+    ({"retryable": 0}, True),
+    ({"retryable": None}, True),
+    ({"retryable": [False]}, True),
+])
+def test_fail_frame_retryable_flag_is_validated(make_server, secret, extra, retryable) -> None:
+    server = make_server(world_size=2)
+    channel = raw_channel(server, secret, rank=1)
+    try:
+        channel.send_json(MsgType.FAIL, {"error": "boom", "log_tail": "t", **extra}, generation=1, rank=1,
+                          step=4, timeout=TIMEOUT_S)
+        header = channel.recv_header(deadline_after(TIMEOUT_S))
+        assert (header.type, header.step) == (MsgType.ACK, 4)
+        assert server.failures[1] == WorkerFailure(1, "boom", "t", retryable=retryable)
+        assert server.root_failures[1].retryable is retryable
+    finally:
+        channel.close()

@@ -2,17 +2,17 @@
 import pytest
 import torch
 
-from pipeline.errors import PSError, WorkerFailure
-from pipeline.ps import OptimizerSpec, PSSettings, new_secret
+from pipeline.errors import NonFiniteError, PSError, WorkerFailure
+from pipeline.ps import OptimizerSpec, PSClient, PSSettings, new_secret
 from pipeline.ps.staged import StagedParameterServer
 from pipeline.wire.deadline import STEP_KEY, Timeout
 
 
-def _server(stages=((0, 4), (4, 10)), replicas=2):
+def _server(stages=((0, 4), (4, 10)), replicas=2, secret=None):
     initial = torch.arange(10, dtype=torch.float32)
     settings = PSSettings(optimizer=OptimizerSpec(lr=0.1), step_timeout=Timeout.of(5, STEP_KEY))
-    return StagedParameterServer(initial, list(stages), settings, replicas=replicas, secret=new_secret(),
-                                 host="127.0.0.1")
+    return StagedParameterServer(initial, list(stages), settings, replicas=replicas,
+                                 secret=secret or new_secret(), host="127.0.0.1")
 
 
 def test_stage_slices_concatenate_to_the_whole_model_and_ranks_are_global():
@@ -48,3 +48,19 @@ def test_checkpoints_hold_every_stage_at_one_version():
             server.load_state_dict(skewed)
         with pytest.raises(PSError, match="cut into stages"):
             server.load_state_dict({**state, "stage_ranges": [[0, 5], [5, 10]]})
+
+
+def test_a_remapped_failure_keeps_its_retryable_flag():
+    with _server() as server:
+        server._failure_sink(1)(WorkerFailure(1, "NonFiniteError: loss is nan", retryable=False), False)
+        assert server.root_failures == {3: WorkerFailure(3, "NonFiniteError: loss is nan", retryable=False)}
+
+
+def test_a_stage_workers_non_retryable_failure_reaches_the_driver_as_such():
+    secret = new_secret()
+    with _server(secret=secret) as server:
+        host, port = server.addresses[1]
+        with PSClient(host, port, rank=0, secret=secret, timeout_s=5) as client:  # stage 1 of replica 0
+            client.report_failure(NonFiniteError("loss is nan at step 2"))
+        assert server.root_failures[1].retryable is False
+        assert server.failures[1].retryable is False
