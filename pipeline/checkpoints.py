@@ -13,7 +13,7 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from pipeline.errors import ConfigError
@@ -102,6 +102,33 @@ class CheckpointStore:
             raise ConfigError(f"checkpoint {info.path} has format {state.get('format')}, this shardline reads "
                               f"{FORMAT}; start without --resume")
         return state
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What every checkpoint of a run records besides the PS state, so a resume (or a retry) can check that
+    it belongs to this run: the data, the model, the layout; ``extra`` holds plain values of the caller."""
+
+    fingerprint: str
+    model: dict
+    world_size: int
+    mode: str
+    steps_per_epoch: int
+    epochs: int
+    seed: int
+    extra: dict = field(default_factory=dict)
+    # Marks one launch's checkpoints (ps.placement=task: a retry resumes only from its own run's).
+    launch_id: Optional[str] = None
+
+    def for_launch(self, launch_id: str) -> "CheckpointMeta":
+        return replace(self, launch_id=launch_id)
+
+    def record(self) -> dict[str, Any]:
+        """The plain values stored in the checkpoint file."""
+        values = asdict(self)
+        if values["launch_id"] is None:
+            del values["launch_id"]
+        return values
 
 
 def check_compatible(state: dict[str, Any], path: str, *, fingerprint: str, model: dict, world_size: int,

@@ -20,6 +20,16 @@ class DataError(ShardlineError):
     """Input data is unusable: missing column, bad values, empty split. Names file/column/count."""
 
 
+class ShardReadError(DataError):
+    """A shard file could not be read because of I/O (a lost mount, storage throttling): unlike a corrupt or
+    mismatched file, another attempt may read it, so it is retried."""
+
+
+def shard_read_error(message: str, exc: BaseException) -> DataError:
+    """The DataError for a failed shard read: ShardReadError when the cause was I/O (OSError)."""
+    return ShardReadError(message) if isinstance(exc, OSError) else DataError(message)
+
+
 class ManifestError(DataError):
     """A shard manifest is missing, unreadable or does not match the shards on disk."""
 
@@ -54,7 +64,7 @@ NOT_RETRYABLE = (ConfigError, DataError, NonFiniteError, ModelInputError)
 
 def is_retryable(exc: BaseException) -> bool:
     """Whether another barrier attempt could succeed where this failure happened."""
-    return not isinstance(exc, NOT_RETRYABLE)
+    return isinstance(exc, ShardReadError) or not isinstance(exc, NOT_RETRYABLE)
 
 
 @dataclass(frozen=True)

@@ -46,13 +46,14 @@ def read_row_group(parquet_file, path: str, index: int, features_field: Optional
     import numpy as np
     import pyarrow as pa
 
-    from pipeline.errors import DataError
+    from pipeline.errors import DataError, shard_read_error
 
     columns = [f for f in (features_field, label_field) if f is not None]
     try:
         table = parquet_file.read_row_group(index, columns=columns)
     except (pa.ArrowInvalid, OSError, KeyError) as exc:
-        raise DataError(f"cannot read row group {index} of shard file {path}: {exc}; re-run `shardline etl`") from None
+        raise shard_read_error(f"cannot read row group {index} of shard file {path}: {exc}; re-run `shardline etl`",
+                               exc) from None
     if features_field is None:
         features = np.empty((table.num_rows, 0), dtype=np.float32)
     else:

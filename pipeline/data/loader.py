@@ -21,7 +21,7 @@ def read_tensors(files: Sequence[str], features_field: str = "features", label_f
     import pyarrow.parquet as pq
     import torch
 
-    from pipeline.errors import DataError
+    from pipeline.errors import DataError, shard_read_error
 
     if not files:
         raise DataError("no shard files to read for this rank")
@@ -30,7 +30,7 @@ def read_tensors(files: Sequence[str], features_field: str = "features", label_f
         try:
             tables.append(pq.read_table(path, columns=[features_field, label_field]))
         except (pa.ArrowInvalid, OSError, KeyError) as exc:
-            raise DataError(f"cannot read shard file {path}: {exc}; re-run `shardline etl`") from None
+            raise shard_read_error(f"cannot read shard file {path}: {exc}; re-run `shardline etl`", exc) from None
     table = pa.concat_tables(tables)
     rows = table.num_rows
     column = table.column(features_field).combine_chunks()

@@ -24,7 +24,7 @@ def row_groups(files: Sequence[str], counts: Optional[Sequence[Sequence[int]]] =
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.errors import DataError
+    from pipeline.errors import DataError, shard_read_error
 
     if not files:
         raise DataError("no shard files to read for this rank")
@@ -36,7 +36,7 @@ def row_groups(files: Sequence[str], counts: Optional[Sequence[Sequence[int]]] =
         try:
             metadata = pq.ParquetFile(path).metadata
         except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"cannot read shard file {path}: {exc}; re-run `shardline etl`") from None
+            raise shard_read_error(f"cannot read shard file {path}: {exc}; re-run `shardline etl`", exc) from None
         groups += [RowGroup(path, g, metadata.row_group(g).num_rows) for g in range(metadata.num_row_groups)]
     return [g for g in groups if g.rows > 0]
 

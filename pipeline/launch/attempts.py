@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import uuid
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 from pipeline.errors import WorkerFailure, WorkerTrainingFailedError
-from pipeline.launch.retry import FailureAccount, RetryPolicy, Verdict, given_up
+from pipeline.launch.retry import FailureAccount, RetryPolicy, StateAfterFailure, Verdict, given_up
 from pipeline.launch.task.rows import RESULT_SCHEMA, merge_chunks
 
 log = logging.getLogger(__name__)
@@ -29,12 +29,17 @@ class RetryStart:
 
 
 class Placement(Protocol):
-    """Where the PS lives during attempts (see placement.py)."""
+    """Where the PS lives during the attempts (``placement.driver_hosted.DriverPS``, ``placement.task_hosted.TaskPS``);
+    a context manager around all attempts of one run."""
 
-    def run_attempt(self, attempt: int) -> list[dict]: ...
+    def run_attempt(self, attempt: int) -> list[dict]:
+        """One barrier job: its result rows, or WorkerTrainingFailedError naming the root-cause rank(s)."""
+
+    def state_after_failure(self) -> StateAfterFailure:
+        """What training state the failed attempt left."""
 
     def prepare_retry(self, attempt: int, failure: WorkerTrainingFailedError, verdict: Verdict) -> RetryStart:
-        """Make the next attempt possible (new PS generation, checkpoint to resume); raise when it is not."""
+        """Make the next attempt start as ``verdict`` says; raise WorkerTrainingFailedError when it cannot."""
 
 
 def run_attempts(placement: Placement, policy: RetryPolicy) -> tuple[list[dict], list[dict]]:
@@ -46,9 +51,9 @@ def run_attempts(placement: Placement, policy: RetryPolicy) -> tuple[list[dict],
             return placement.run_attempt(attempt), failed_attempts
         except WorkerTrainingFailedError as failure:
             failure.attempt = attempt
-            decision = policy.decide(FailureAccount(attempt, failure))
+            decision = policy.decide(FailureAccount(attempt, failure, placement.state_after_failure()))
             if decision.verdict is Verdict.GIVE_UP:
-                raise given_up(failure, attempt, decision) from failure
+                raise given_up(failure, attempt, decision.reason) from failure
             start = placement.prepare_retry(attempt, failure, decision.verdict)
             failed_attempts.append({"attempt": attempt, "ranks": sorted(failure.failures), "step": start.step,
                                     "error": str(failure)[:4000]})
@@ -67,19 +72,24 @@ def new_tag() -> str:
     return f"shardline-train-{uuid.uuid4().hex[:12]}"
 
 
-def run_barrier_job(spark, task_fn, tasks: int, *, tag: str, guard=None,
+def run_barrier_job(spark, task_fn, tasks: int, *, tag: str, guards: Sequence = (),
                     on_job_error: Callable[[BaseException], Optional[WorkerTrainingFailedError]]) -> list[dict]:
     """One barrier stage of ``tasks`` tasks through mapInArrow (classic and Connect sessions alike); the
-    merged result rows. When the job fails, ``on_job_error`` (called before the job is interrupted) turns
-    the error into the attempt's failure account; KeyboardInterrupt & co are re-raised, never retried."""
-    frame = spark.range(0, tasks, 1, tasks)
+    merged result rows. ``guards`` (context managers: a watchdog, a progress bar) run while the job does.
+    When the job fails, ``on_job_error`` (called before the job is interrupted, which happens whatever it
+    does) turns the error into the attempt's failure account; KeyboardInterrupt & co are re-raised."""
     spark.addTag(tag)
     try:
-        with guard if guard is not None else nullcontext():
+        with ExitStack() as running:
+            for guard in guards:
+                running.enter_context(guard)
+            frame = spark.range(0, tasks, 1, tasks)
             return merge_chunks([r.asDict() for r in frame.mapInArrow(task_fn, RESULT_SCHEMA, barrier=True).collect()])
     except BaseException as exc:
-        failure = on_job_error(exc)
-        interrupt(spark, tag)
+        try:
+            failure = on_job_error(exc)
+        finally:
+            interrupt(spark, tag)
         if failure is None or not isinstance(exc, Exception):
             raise
         raise failure from exc

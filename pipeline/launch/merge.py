@@ -23,6 +23,11 @@ def replica_parameters(rows: list[dict], num_params: int, stages: int = 1):
     return flat
 
 
+def replica_outcome(rows: list[dict], num_params: int, stages: int, planned_steps: int):
+    """allreduce: (merged parameters, steps every replica ran, the steps planned)."""
+    return replica_parameters(rows, num_params, stages), min(r["steps"] for r in rows), planned_steps
+
+
 def task_ps_parameters(rows: list[dict], num_params: int):
     """ps.placement=task with the PS backend: the final PS parameters rank 0's task returned."""
     import torch

@@ -54,9 +54,12 @@ def ps_settings(cfg: PipelineConfig):
 
 def fault_plan(cfg: PipelineConfig, attempt: int) -> FaultPlan:
     """The faults.* hooks, in the first faults.attempts attempts only (so a retry can succeed)."""
-    if attempt > cfg.faults.attempts:
+    f = cfg.faults
+    if attempt > f.attempts:
         return FaultPlan()
-    return FaultPlan(**cfg.faults.model_dump(exclude={"attempts"}))
+    return FaultPlan(fail_rank=f.fail_rank, fail_step=f.fail_step, fail_in_rendezvous=f.fail_in_rendezvous,
+                     kill_rank=f.kill_rank, kill_step=f.kill_step, delay_rank=f.delay_rank, delay_ms=f.delay_ms,
+                     delay_step=f.delay_step)
 
 
 def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, generation: int,

@@ -56,7 +56,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     """
     import torch
 
-    from pipeline.checkpoints import CheckpointStore
+    from pipeline.checkpoints import CheckpointMeta, CheckpointStore
     from pipeline.ps.modes import expected_version
 
     replicas, stages = cfg.parallelism.data, cfg.parallelism.pipeline
@@ -97,10 +97,12 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     run = TrainingRun(spark=spark, cfg=cfg, manifest=manifest, spec=spec, steps_per_epoch=steps, initial=initial,
                       expected_version=expected, store=store, progress=EpochProgress(workers, cfg.train.epochs, epoch_done),
                       resumed=resumed, resumed_from=latest, warm_started=initial_parameters is not None,
-                      checkpoint_meta={"fingerprint": manifest.fingerprint, "world_size": replicas, "mode": cfg.ps.mode,
-                                       "steps_per_epoch": steps, "extra": dict(checkpoint_extra or {})})
+                      checkpoint_meta=CheckpointMeta(fingerprint=manifest.fingerprint, model=spec.to_dict(),
+                                                     world_size=replicas, mode=cfg.ps.mode, steps_per_epoch=steps,
+                                                     epochs=cfg.train.epochs, seed=cfg.train.seed,
+                                                     extra=dict(checkpoint_extra or {})))
     placement = placement_for(run)
-    policy = RetryPolicy(cfg.train.max_attempts, ps_survives=cfg.ps.placement == "driver")
+    policy = RetryPolicy(cfg.train.max_attempts)
     started = time.perf_counter()
     with placement:
         rows, failed_attempts = run_attempts(placement, policy)

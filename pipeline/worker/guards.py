@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 # Text of the RuntimeErrors torch raises (through DDP, or a collective) when a peer's group went away.
 _GROUP_MARKERS = ("gloo", "nccl", "processgroup", "process group", "connection closed", "connection reset",
                   "broken pipe")
+# Text of the RuntimeErrors of a failing device (a lost or faulty GPU, memory exhausted): the machine's
+# fault, not the batch's, and another attempt (maybe on another executor) may succeed.
+_DEVICE_MARKERS = ("cuda error", "cudnn_status", "cublas_status", "out of memory", "ecc error", "nvml")
 
 
 def check_finite(loss: float, *, rank: int, step: int, epoch: int, where: str = "") -> None:
@@ -45,7 +48,8 @@ def keeps_its_type(exc: BaseException) -> bool:
     except (ImportError, AttributeError):  # torch without distributed support
         pass
     # Only torch's plain RuntimeError carries gloo/nccl failures; a subclass of its own is the model's.
-    return type(exc) is RuntimeError and any(marker in str(exc).lower() for marker in _GROUP_MARKERS)
+    text = str(exc).lower()
+    return type(exc) is RuntimeError and any(marker in text for marker in _GROUP_MARKERS + _DEVICE_MARKERS)
 
 
 def describe_tensor(tensor) -> str:

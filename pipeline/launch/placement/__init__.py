@@ -12,7 +12,7 @@ __all__ = ["Outcome", "TrainingRun", "placement_for"]
 
 
 def placement_for(run: TrainingRun):
-    from pipeline.launch.placement.in_task import TaskPS
-    from pipeline.launch.placement.on_driver import DriverPS
+    from pipeline.launch.placement.task_hosted import TaskPS
+    from pipeline.launch.placement.driver_hosted import DriverPS
 
     return TaskPS(run) if run.cfg.ps.placement == "task" else DriverPS(run)

@@ -2,29 +2,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from pipeline.checkpoints import CheckpointInfo, CheckpointMeta, CheckpointStore
 from pipeline.config.schema import PipelineConfig
+from pipeline.launch.ps_side.progress import EpochProgress
 from pipeline.models import ModelSpec
 from pipeline.shards import Manifest
+
+if TYPE_CHECKING:  # torch stays out of module import time
+    import torch
 
 
 @dataclass
 class TrainingRun:
     """What both placements need about the run (driver side only: it holds the SparkSession)."""
 
-    spark: object
+    spark: Any  # a classic or a Spark Connect SparkSession
     cfg: PipelineConfig
     manifest: Manifest
     spec: ModelSpec
     steps_per_epoch: int
-    initial: object  # flat fp32 tensor: the seeded initialization or the warm start
+    initial: "torch.Tensor"  # flat fp32: the seeded initialization or the warm start
     expected_version: int  # the PS version once every planned step is applied
-    store: object  # checkpoints.CheckpointStore
-    progress: object  # ps_side.progress.EpochProgress
+    store: CheckpointStore
+    progress: EpochProgress
+    checkpoint_meta: CheckpointMeta  # what every checkpoint of this run records
     resumed: Optional[dict] = None  # the --resume checkpoint's state
-    resumed_from: object = None  # its CheckpointInfo
-    checkpoint_meta: Optional[dict] = None  # plain values every checkpoint records
+    resumed_from: Optional[CheckpointInfo] = None  # its file
     warm_started: bool = False
 
     @property
@@ -36,9 +41,9 @@ class TrainingRun:
 class Outcome:
     """What the successful attempt left: the merged parameters and the PS's account."""
 
-    parameters: object
+    parameters: "torch.Tensor"  # flat fp32
     version: int
     expected: int
     stats: dict
-    rows: list
+    rows: list[dict]
 

@@ -8,10 +8,13 @@ import os
 import socket
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from pipeline.launch.task.rows import failure_row, to_batches
 from pipeline.worker.plan import WorkerPlan
+
+if TYPE_CHECKING:
+    from pipeline.launch.task.hosted_ps import HostedPSSpec
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ class TaskWiring:
     # The driver-hosted PS, or None with ps.placement=task (then `hosted` is set and the address comes
     # from rank 0 through the allGather).
     ps: Optional[tuple[str, int]] = None
-    hosted: object = None  # a task.hosted_ps.HostedPSSpec
+    hosted: Optional["HostedPSSpec"] = None
 
 
 class _TailHandler(logging.Handler):
@@ -80,9 +83,7 @@ def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Opt
             return failure_row(plan.rank, error, "")
         if host_ps is not None:
             host_ps.watch()
-        address = found.ps or wiring.ps
-        if plan.stage is not None and plan.stage.ps:
-            address = plan.stage.ps  # this stage's server
+        address = found.ps or wiring.ps  # a pipeline stage's own server is in plan.stage.ps
         stage_wiring = None
         if plan.stage is not None:
             from pipeline.worker.stage_loop import StageWiring

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
+from pipeline.checkpoints import CheckpointMeta
 from pipeline.launch.task.rows import embed_failure_report, encode_report
 from pipeline.models import ModelSpec
+from pipeline.ps.settings import PSSettings
 from pipeline.wire.deadline import Timeout
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ class HostedPSSpec:
     epochs: int
     steps_per_epoch: int
     generation: int
-    settings: object  # pipeline.ps.PSSettings
+    settings: PSSettings
     backend: str
     # A failed attempt's tasks get this long to stop; the connect deadline; ranks' progress after rank 0 is done.
     grace: Timeout
@@ -44,11 +46,11 @@ class HostedPSSpec:
     checkpoint_dir: str
     keep_checkpoints: int
     checkpoint_every: int
+    # What every checkpoint records (fingerprint, model, layout, this launch's id...).
+    checkpoint_meta: CheckpointMeta
     # The checkpoint to start from (a retry or --resume), else the seeded initialization / warm start.
     resume_path: Optional[str] = None
     warm_start: Optional[bytes] = None
-    # Plain values every checkpoint records (fingerprint, world_size, mode, steps_per_epoch, extra...).
-    checkpoint_meta: dict = field(default_factory=dict)
 
     @property
     def checkpoints_enabled(self) -> bool:
@@ -126,9 +128,9 @@ class HostedPS:
     def _snapshot(self) -> dict:
         from pipeline.launch.ps_side.snapshot import take_snapshot
 
-        s = self.spec
-        return take_snapshot(self.server, self.progress, s.settings.consistency, s.steps_per_epoch, s.epochs,
-                             model=s.model.to_dict(), epochs=s.epochs, seed=s.seed, **s.checkpoint_meta)
+        meta = self.spec.checkpoint_meta
+        return take_snapshot(self.server, self.progress, self.spec.settings.consistency, meta.steps_per_epoch,
+                             meta.epochs, **meta.record())
 
     def finish(self, row: dict) -> dict:
         """After rank 0's own worker is done: wait for the peers, then put the PS's account (and, with the
@@ -138,7 +140,7 @@ class HostedPS:
         stuck = self.stuck_ranks()
         if stuck:
             if not row["ok"]:  # rank 0's own error says more than the PS's "closed its connection"
-                report["failures"]["0"] = [row["error"], row["log_tail"] or ""]
+                report["failures"]["0"] = [row["error"], row["log_tail"] or "", row["retryable"] is not False]
             reason = (f"rank(s) {stuck} neither finished nor failed within {self.spec.peers.seconds:g}s "
                       f"({self.spec.peers.key}) after the attempt failed; rank 0 (which hosts the PS) stopped the "
                       "barrier stage")
@@ -178,7 +180,8 @@ class HostedPS:
             "history": self.progress.history,
             "stats": self.server.stats,
             "root_failures": list(self.server.root_failures),
-            "failures": {str(rank): [f.error, f.log_tail or ""] for rank, f in self.server.failures.items()},
+            "failures": {str(rank): [f.error, f.log_tail or "", f.retryable]
+                         for rank, f in self.server.failures.items()},
             "checkpoints": list(self.checkpointer.saved),
             "address": "%s:%d" % self.server.address,
         }

@@ -75,11 +75,19 @@ def encode_report(report: dict) -> str:
 def embed_failure_report(reason: str, report: dict) -> str:
     """``reason`` plus a compact copy of the task PS's failure account, for an exception message that only
     reaches the driver as Spark's error text (when rank 0 itself must fail the stage)."""
-    failures = {r: [e[:400], "\n".join((t or "").splitlines()[-15:])[:1500]]
-                for r, (e, t) in list(report.get("failures", {}).items())[:8]}
+    failures = {r: [e[:400], "\n".join((t or "").splitlines()[-15:])[:1500], *retryable]
+                for r, (e, t, *retryable) in list(report.get("failures", {}).items())[:8]}
     compact = {"root_failures": report.get("root_failures", []), "failures": failures, "reason": reason}
     encoded = base64.b64encode(json.dumps(compact).encode())[:_MAX_EMBEDDED].decode()
     return f"{reason} {_REPORT_TAG}{encoded}"
+
+
+def failure_of(rank: int, entry: list):
+    """A WorkerFailure from a report's ``[error, log tail, retryable?]`` entry."""
+    from pipeline.errors import WorkerFailure
+
+    error, tail, *rest = entry
+    return WorkerFailure(rank, str(error), str(tail or ""), rest[0] is not False if rest else True)
 
 
 def decode_failure_report(text: str) -> Optional[dict]:

@@ -197,6 +197,14 @@ def test_errors_of_the_model_on_its_batch_are_made_model_input_errors(exc):
     assert not keeps_its_type(exc)
 
 
+@pytest.mark.parametrize("exc", [RuntimeError("CUDA error: unspecified launch failure"),
+                                 RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                 RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"),
+                                 RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasSgemm")])
+def test_errors_of_a_failing_device_keep_their_type_and_are_retried(exc):
+    assert keeps_its_type(exc) and is_retryable(exc)
+
+
 def test_the_server_hears_a_workers_own_non_finite_loss_as_the_cause(tmp_path):
     """A NaN loss is found on the worker before anything is pushed; its FAIL must still reach the PS, so
     the driver's root cause names NonFiniteError rather than "closed its connection"."""

@@ -13,7 +13,7 @@ from pipeline.errors import WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.attempts import RetryStart, new_tag, raise_for_failed_rows, run_barrier_job, spark_error_summary
 from pipeline.launch.placement.run import Outcome, TrainingRun
 from pipeline.launch.plans import deadlines, failed_attempt_grace, ps_settings, worker_plans
-from pipeline.launch.retry import Verdict
+from pipeline.launch.retry import StateAfterFailure, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class TaskPS:
             checkpoint_dir=run.store.directory, keep_checkpoints=cfg.train.keep_checkpoints,
             checkpoint_every=cfg.train.checkpoint_every,
             resume_path=self.resume_from.path if self.resume_from else None, warm_start=warm,
-            checkpoint_meta={**run.checkpoint_meta, "launch_id": self.launch_id})
+            checkpoint_meta=run.checkpoint_meta.for_launch(self.launch_id))
 
     def run_attempt(self, attempt: int) -> list[dict]:
         """One barrier job with the PS in rank 0's task: its rows (rank 0's PS report kept), or
@@ -82,14 +82,14 @@ class TaskPS:
 
     @staticmethod
     def _job_failure(exc: BaseException, attempt: int) -> WorkerTrainingFailedError:
-        from pipeline.launch.task.rows import decode_failure_report
+        from pipeline.launch.task.rows import decode_failure_report, failure_of
 
         why = spark_error_summary(exc)
         embedded = decode_failure_report(str(exc))
         if embedded and embedded.get("failures"):
             # Rank 0 stopped the stage itself (ranks stuck past the deadline) and sent its PS's account.
             roots = [int(r) for r in embedded.get("root_failures", [])] or [int(r) for r in embedded["failures"]]
-            failures = {int(r): WorkerFailure(int(r), e, t) for r, (e, t) in embedded["failures"].items()
+            failures = {int(r): failure_of(int(r), entry) for r, entry in embedded["failures"].items()
                         if int(r) in roots[:1]}
             return WorkerTrainingFailedError(failures, attempt, cause=embedded.get("reason", why))
         # No rank could report (the stage is torn down as soon as one task dies); Spark names the task.
@@ -101,24 +101,29 @@ class TaskPS:
             text += " (rank 0's task hosts the parameter server: its state since the last checkpoint is lost)"
         return WorkerTrainingFailedError({rank: WorkerFailure(rank, text)}, attempt, cause=why)
 
+    def state_after_failure(self) -> StateAfterFailure:
+        """The attempt's PS died with rank 0's task: what is left is this run's checkpoints."""
+        return StateAfterFailure.NONE if self.run.allreduce else StateAfterFailure.CHECKPOINT
+
     def prepare_retry(self, attempt: int, failure: WorkerTrainingFailedError, verdict: Verdict) -> RetryStart:
         from pipeline.checkpoints import own_latest
 
-        assert verdict is Verdict.RETRY_FROM_CHECKPOINT, verdict
-        self.resume_from = None if self.run.allreduce else own_latest(self.run.store, self.launch_id,
-                                                                      self.resume_from)
+        if verdict is Verdict.RETRY_FROM_CHECKPOINT:
+            self.resume_from = own_latest(self.run.store, self.launch_id, self.resume_from)
+        else:  # RETRY_FROM_START
+            self.resume_from = None
         if self.resume_from is None:
             return RetryStart(0, "the start")
         return RetryStart(self.resume_from.step, f"checkpoint step {self.resume_from.step}")
 
     def outcome(self, rows: list[dict]) -> Outcome:
-        from pipeline.launch.merge import replica_parameters, task_ps_parameters
+        from pipeline.launch.merge import replica_outcome, task_ps_parameters
 
         run, report = self.run, self.report
         run.progress.replay(report["history"])
         if run.allreduce:
-            parameters = replica_parameters(rows, run.initial.numel())
-            version, expected = min(r["steps"] for r in rows), run.steps_per_epoch * run.cfg.train.epochs
+            parameters, version, expected = replica_outcome(rows, run.initial.numel(), 1,
+                                                            run.steps_per_epoch * run.cfg.train.epochs)
         else:
             parameters, version = task_ps_parameters(rows, run.initial.numel()), int(report["version"])
             expected = run.expected_version

@@ -11,11 +11,13 @@ from pipeline.launch.attempts import (RetryStart, interrupt, new_tag, raise_for_
                                       spark_error_summary)
 from pipeline.launch.placement.run import Outcome, TrainingRun
 from pipeline.launch.plans import deadlines, failed_attempt_grace, ps_settings, worker_plans
-from pipeline.launch.retry import Verdict
+from pipeline.launch.retry import StateAfterFailure, Verdict
 
 log = logging.getLogger(__name__)
 # When Spark reports the stage failed, how long the PS may take to record which rank dropped.
 RANK_FAILURE_WAIT_S = 2.0
+# After a failed attempt nothing pushes: a consistent state is there at once, or not at all.
+STATE_CHECK_S = 0.5
 
 
 def ps_host(spark, cfg) -> str:
@@ -37,6 +39,11 @@ def stage_ranges(run: TrainingRun) -> list[tuple[int, int]]:
 
     p = run.cfg.parallelism
     return stage_slices(model_stages(build_model(run.spec), p.pipeline, p.cuts))
+
+
+def _cannot_retry(failure: WorkerTrainingFailedError, attempt: int, why: str) -> WorkerTrainingFailedError:
+    cause = f"{failure.cause + '; ' if failure.cause else ''}cannot retry: {why}"
+    return WorkerTrainingFailedError(failure.failures, attempt, cause, failure.stopped)
 
 
 class DriverPS:
@@ -99,10 +106,9 @@ class DriverPS:
     def _snapshot(self) -> dict:
         from pipeline.launch.ps_side.snapshot import take_snapshot
 
-        run, cfg = self.run, self.run.cfg
-        return take_snapshot(self.server, run.progress, ps_settings(cfg).consistency, run.steps_per_epoch,
-                             cfg.train.epochs, model=run.spec.to_dict(), epochs=cfg.train.epochs, seed=cfg.train.seed,
-                             **run.checkpoint_meta)
+        meta = self.run.checkpoint_meta
+        return take_snapshot(self.server, self.run.progress, self.server.consistency, meta.steps_per_epoch,
+                             meta.epochs, **meta.record())
 
     def run_attempt(self, attempt: int) -> list[dict]:
         """One barrier job against this PS; raises WorkerTrainingFailedError naming the root-cause rank(s)."""
@@ -117,10 +123,7 @@ class DriverPS:
         watchdog = StageWatchdog(server, cfg.parallelism.tasks, connect_timeout_s=deadlines(cfg).connect,
                                  grace_s=failed_attempt_grace(cfg), cancel=lambda reason: interrupt(run.spark, tag))
         log.info("barrier attempt %d (generation %d) from step %d", attempt, server.generation, server.version)
-        guard = ExitStack()
-        guard.enter_context(watchdog)
-        guard.enter_context(self._bar)
-        rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.tasks, tag=tag, guard=guard,
+        rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.tasks, tag=tag, guards=(watchdog, self._bar),
                                on_job_error=lambda exc: self._job_failure(exc, attempt, watchdog))
         raise_for_failed_rows(rows, list(server.root_failures), attempt, first_cause_only=run.allreduce)
         return rows
@@ -143,17 +146,43 @@ class DriverPS:
         while not self.server.failures and time.monotonic() < deadline:
             time.sleep(0.02)
 
+    def state_after_failure(self) -> StateAfterFailure:
+        """The PS outlived the attempt; its state is usable unless its members were left at different
+        versions (a step applied on some shards or stages only)."""
+        if self.run.allreduce:
+            return StateAfterFailure.NONE
+        try:
+            self.server.state_dict(timeout_s=STATE_CHECK_S)
+        except PSError as exc:
+            log.warning("the parameter server's state after the failed attempt is not consistent (%s); the retry "
+                        "restarts it from the newest checkpoint", exc)
+            return StateAfterFailure.CHECKPOINT
+        return StateAfterFailure.KEPT
+
     def prepare_retry(self, attempt: int, failure: WorkerTrainingFailedError, verdict: Verdict) -> RetryStart:
-        assert verdict is Verdict.RETRY_FROM_PS_STATE, verdict
-        step = self.server.version
-        self._checkpointer.save(f"after failed attempt {attempt}")
+        if verdict is Verdict.RETRY_FROM_PS_STATE:
+            start = RetryStart(self.server.version, f"step {self.server.version} with the PS state kept")
+            self._checkpointer.save(f"after failed attempt {attempt}")
+        elif verdict is Verdict.RETRY_FROM_CHECKPOINT:
+            start = self._restore_newest_checkpoint(attempt, failure)
+        else:  # RETRY_FROM_START: allreduce replicas start over; the PS only carries metrics and failures
+            start = RetryStart(0, "the start (allreduce keeps no state on the parameter server)")
         try:
             self.server.new_generation()
-        except PSError as exc:  # e.g. pipeline stages left one step apart: cannot continue safely
-            cause = f"{failure.cause + '; ' if failure.cause else ''}cannot retry: {exc}"
-            raise WorkerTrainingFailedError(failure.failures, attempt, cause, failure.stopped) from failure
-        self._close_abandoned_epochs()
-        return RetryStart(step, f"step {step} with the PS state kept")
+        except PSError as exc:
+            raise _cannot_retry(failure, attempt, str(exc)) from failure
+        if verdict is Verdict.RETRY_FROM_PS_STATE:
+            self._close_abandoned_epochs()
+        return start
+
+    def _restore_newest_checkpoint(self, attempt: int, failure: WorkerTrainingFailedError) -> RetryStart:
+        store = self.run.store
+        latest = store.latest()
+        if latest is None:
+            raise _cannot_retry(failure, attempt, f"the parameter server's members disagree and {store.directory} "
+                                                  "holds no checkpoint to restart from (train.checkpoint_every)")
+        self.server.load_state_dict(store.load(latest)["ps"])
+        return RetryStart(latest.step, f"checkpoint step {latest.step} (the PS state was not consistent)")
 
     def _close_abandoned_epochs(self) -> None:
         """Epochs a dead rank stepped past without reporting are summarized from the others (the retried
@@ -161,8 +190,6 @@ class DriverPS:
         from pipeline.launch.ps_side.snapshot import epochs_left_unreported
 
         run, cfg = self.run, self.run.cfg
-        if run.allreduce:
-            return  # every rank starts over
         try:
             state = self.server.state_dict()
         except PSError:  # bookkeeping only: the retry itself does not depend on it
@@ -173,12 +200,12 @@ class DriverPS:
             run.steps_per_epoch, cfg.train.epochs))
 
     def outcome(self, rows: list[dict]) -> Outcome:
-        from pipeline.launch.merge import replica_parameters
+        from pipeline.launch.merge import replica_outcome
 
         run = self.run
         if run.allreduce:
-            parameters = replica_parameters(rows, run.initial.numel(), run.cfg.parallelism.pipeline)
-            version, expected = min(r["steps"] for r in rows), run.steps_per_epoch * run.cfg.train.epochs
+            parameters, version, expected = replica_outcome(rows, run.initial.numel(), run.cfg.parallelism.pipeline,
+                                                            run.steps_per_epoch * run.cfg.train.epochs)
         else:
             parameters, version, expected = self.server.parameters(), self.server.version, run.expected_version
         stats = dict(self.server.stats)
