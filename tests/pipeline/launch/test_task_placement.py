@@ -52,8 +52,10 @@ def test_a_killed_rank_is_retried_from_the_task_ps_checkpoint(spark, digits):
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size)
     planned = steps * 4
     kill_at = 2 * steps + 3
+    # Warm workers run this toy model at ~800 steps/s, faster than the checkpointer's 0.1 s poll can see
+    # the step-`steps` boundary before the kill: rank 0 is held 10 ms a step so the periodic one lands.
     killed = with_changes(cfg, name="task-ps-kill", train={"epochs": 4, "checkpoint_every": steps},
-                          faults={"kill_rank": 1, "kill_step": kill_at})
+                          faults={"kill_rank": 1, "kill_step": kill_at, "delay_rank": 0, "delay_ms": 10})
     result = train(spark, killed, manifest)
 
     assert result.steps == planned
