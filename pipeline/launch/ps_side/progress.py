@@ -178,6 +178,7 @@ class StepProgress:
                 f"{rate:.1f} steps/s{loss} | ETA {eta}")
 
     def __enter__(self) -> "StepProgress":
+        self._stop.clear()  # entered once per barrier attempt: a retry draws too
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name="shardline-progress", daemon=True)
             self._thread.start()

@@ -81,3 +81,17 @@ def test_an_epoch_a_dead_rank_stepped_past_is_summarized_from_the_ranks_that_rep
     progress(1, {"epoch": 1, "step": 8, "train_loss": 0.7, "samples": 40, "seconds": 2.0})  # a late report
     assert len(rows) == 2  # ignored: the epoch is closed
     assert unreported_epochs(progress.reports(), {0: 8, 1: 8}, steps_per_epoch=4) == []
+
+
+def test_step_bar_draws_again_for_a_retried_attempt():
+    import time
+
+    stream = FakeTTY()
+    bar = StepProgress(lambda: 3, total_steps=5, stream=stream, interval_s=0.01)
+    for attempt in (1, 2):  # the driver enters the same bar once per barrier attempt
+        before = stream.getvalue().count("\r[")
+        with bar:
+            deadline = time.monotonic() + 10
+            while stream.getvalue().count("\r[") == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert stream.getvalue().count("\r[") > before, f"attempt {attempt} drew nothing"
