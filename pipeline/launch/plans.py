@@ -68,6 +68,7 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
     has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
     validation = tuple(manifest.files("validation")) if has_validation else ()
     stages, faults, waits = cfg.parallelism.pipeline, fault_plan(cfg, attempt), deadlines(cfg)
+    optimizer = optimizer_spec(cfg)
     cuts = tuple(cfg.parallelism.cuts) if cfg.parallelism.cuts else None
 
     def plan(rank: int) -> WorkerPlan:
@@ -89,6 +90,6 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
             validation_files=validation if rank == 0 and stages == 1 else (),
             model=spec, features_field=manifest.features_field, label_field=manifest.label_field,
             epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
-            optimizer=optimizer_spec(cfg), backend=cfg.train.backend, stage=grid, deadlines=waits)
+            optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits)
 
     return [plan(rank) for rank in range(cfg.parallelism.tasks)]

@@ -56,7 +56,6 @@ class DriverPS:
         self._secret = None
         self._checkpointer = None
         self._bar = None
-        self.started = time.perf_counter()
 
     def __enter__(self) -> "DriverPS":
         from pipeline.checkpoints import Checkpointer
@@ -196,7 +195,7 @@ class DriverPS:
             log.warning("could not read the PS state to settle the epochs of the failed attempt", exc_info=True)
             return
         run.progress.close_abandoned(epochs_left_unreported(
-            state, run.progress.reports(), ps_settings(cfg).consistency, run.progress.world_size,
+            state, run.progress.reports(), self.server.consistency, run.progress.world_size,
             run.steps_per_epoch, cfg.train.epochs))
 
     def outcome(self, rows: list[dict]) -> Outcome:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 import uuid
 
 from pipeline.errors import WorkerFailure, WorkerTrainingFailedError
@@ -27,7 +26,6 @@ class TaskPS:
         # Marks this run's checkpoints: a retry resumes only from one of them (or from --resume's).
         self.launch_id = uuid.uuid4().hex
         self.report: dict = {}
-        self.started = time.perf_counter()
 
     def __enter__(self) -> "TaskPS":
         cfg = self.run.cfg
@@ -50,9 +48,8 @@ class TaskPS:
         waits = deadlines(cfg)
         warm = run.initial.detach().cpu().float().reshape(-1).contiguous().numpy().tobytes() if run.warm_started else None
         return HostedPSSpec(
-            world_size=cfg.parallelism.data, epochs=cfg.train.epochs, steps_per_epoch=run.steps_per_epoch,
-            generation=attempt, settings=ps_settings(cfg), backend=cfg.train.backend, grace=failed_attempt_grace(cfg),
-            connect=waits.connect, peers=waits.step, model=run.spec, seed=cfg.train.seed,
+            world_size=cfg.parallelism.data, generation=attempt, settings=ps_settings(cfg), backend=cfg.train.backend, grace=failed_attempt_grace(cfg),
+            connect=waits.connect, peers=waits.step, model=run.spec,
             checkpoint_dir=run.store.directory, keep_checkpoints=cfg.train.keep_checkpoints,
             checkpoint_every=cfg.train.checkpoint_every,
             resume_path=self.resume_from.path if self.resume_from else None, warm_start=warm,

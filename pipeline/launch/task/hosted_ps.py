@@ -32,8 +32,6 @@ class HostedPSSpec:
     """Everything rank 0's task needs to start the PS: typed plain values (shipped in the task closure)."""
 
     world_size: int
-    epochs: int
-    steps_per_epoch: int
     generation: int
     settings: PSSettings
     backend: str
@@ -42,11 +40,11 @@ class HostedPSSpec:
     connect: Timeout
     peers: Timeout
     model: ModelSpec
-    seed: int
     checkpoint_dir: str
     keep_checkpoints: int
     checkpoint_every: int
-    # What every checkpoint records (fingerprint, model, layout, this launch's id...).
+    # What every checkpoint records (fingerprint, model, layout, this launch's id...); also where the run's
+    # epochs, steps per epoch and seed come from.
     checkpoint_meta: CheckpointMeta
     # The checkpoint to start from (a retry or --resume), else the seeded initialization / warm start.
     resume_path: Optional[str] = None
@@ -91,9 +89,9 @@ class HostedPS:
         if spec.warm_start is not None:
             initial = torch.frombuffer(bytearray(spec.warm_start), dtype=torch.float32)
         else:
-            torch.manual_seed(spec.seed)  # the same initialization the driver placement uses
+            torch.manual_seed(spec.checkpoint_meta.seed)  # the same initialization the driver placement uses
             initial = flat_parameters(build_model(spec.model))
-        self.progress = EpochProgress(spec.world_size, spec.epochs)
+        self.progress = EpochProgress(spec.world_size, spec.checkpoint_meta.epochs)
         self._stack = ExitStack()
         try:
             self.server = self._stack.enter_context(ParameterServer(
