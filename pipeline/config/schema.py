@@ -12,6 +12,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from pipeline.config.features import FeatureEntry
+
 # Seeds feed numpy, torch and Spark hashes: they must fit in a signed 64-bit integer.
 _SEED = {"ge": -2**63, "le": 2**63 - 1}
 
@@ -100,8 +102,10 @@ class DataConfig(_Section):
     shuffle: bool = True
     # Threads decoding row groups ahead of the shuffle buffer.
     reader_threads: int = Field(1, ge=1, le=32)
-    # Feature columns; null means every column except the label and the id column.
-    features: Optional[list[str]] = None
+    # Feature columns; null means every column except the label and the id column (all numeric). Items are
+    # column names (numeric) or typed entries {name, type: numeric|categorical|vector|image|text, ...}
+    # (pipeline/config/features.py).
+    features: Optional[list[typing.Union[str, FeatureEntry]]] = None
     label: str = Field("label", min_length=1)
     # Column that identifies a row for the split hash; null hashes the row's feature and label values.
     id_column: Optional[str] = Field(None, min_length=1)
@@ -122,15 +126,21 @@ class DataConfig(_Section):
 
     @field_validator("features")
     @classmethod
-    def _features_not_empty(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+    def _features_not_empty(cls, value: Optional[list]) -> Optional[list]:
         if value is not None:
+            names = [v if isinstance(v, str) else v.name for v in value]
             if not value:
                 raise ValueError("must list at least one column, or be null for 'all but the label'")
-            if not all(value):
+            if not all(names):
                 raise ValueError("column names must not be empty")
-            if len(set(value)) != len(value):
+            if len(set(names)) != len(names):
                 raise ValueError("lists a column more than once")
         return value
+
+    @property
+    def feature_names(self) -> Optional[list[str]]:
+        """The configured feature columns (names only), or None for 'all but the label'."""
+        return None if self.features is None else [f if isinstance(f, str) else f.name for f in self.features]
 
     @field_validator("classes", mode="before")
     @classmethod
@@ -155,7 +165,7 @@ class DataConfig(_Section):
     def _path_for_file_sources(self) -> "DataConfig":
         if self.source in ("csv", "parquet") and not self.path:
             raise ValueError(f"data.path is required when data.source is {self.source!r}")
-        if self.features is not None and self.label in self.features:
+        if self.features is not None and self.label in self.feature_names:
             raise ValueError(f"data.features must not include the label column data.label={self.label!r}")
         if self.classes is not None and self.task != "classification":
             raise ValueError("data.classes is only for data.task=classification; remove it or set it to null")
@@ -168,11 +178,16 @@ _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 class ModelConfig(_Section):
     """The model: a built-in kind or a user factory `package.module:function`."""
 
-    kind: Literal["mlp", "logreg"] = "mlp"
+    # mlp (= tabular: an embedding per categorical/text feature, concatenated with the numeric, vector and
+    # flattened image features, then the hidden layers), logreg (the same input, one linear layer), cnn (a
+    # small conv net over the image feature, then the hidden layers).
+    kind: Literal["mlp", "tabular", "logreg", "cnn"] = "mlp"
     hidden: list[int] = Field(default_factory=lambda: [64])
     activation: Literal["relu", "tanh", "gelu"] = "relu"
     dropout: float = Field(0.0, ge=0, lt=1)
-    # "package.module:function" called as function(num_features=..., num_outputs=..., **factory_kwargs).
+    # "package.module:function" called as function(features=FeatureSet, num_outputs=..., **factory_kwargs)
+    # returning an nn.Module whose forward takes the batch dict; a factory whose first parameter is
+    # num_features is the classic form: it gets the numeric width and a tensor.
     factory: Optional[str] = None
     factory_kwargs: dict[str, Any] = Field(default_factory=dict)
 

@@ -39,7 +39,7 @@ def feature_columns(columns: list[str], data: DataConfig, id_column: Optional[st
         raise DataError(f"the input ({where}) has no columns: the file is empty or has no header; "
                         "point data.path at data with a header row (or set data.csv_options)")
     if data.features is not None:
-        missing = [c for c in data.features if c not in columns]
+        missing = [c for c in data.feature_names if c not in columns]
         if missing:
             raise DataError(f"feature column(s) {missing} named in data.features are not in the input ({where}; "
                             f"columns present: {columns}); fix data.features, or null it to use every column")
@@ -47,7 +47,7 @@ def feature_columns(columns: list[str], data: DataConfig, id_column: Optional[st
         raise DataError(f"label column {data.label!r} (data.label) is not in the input ({where}; columns present: "
                         f"{columns}); set data.label to the label column")
     if data.features is not None:
-        return list(data.features)
+        return list(data.feature_names)
     excluded = {data.label, id_column}
     features = [c for c in columns if c not in excluded]
     if not features:

@@ -117,7 +117,7 @@ def check_parquet_files(path: Path, data: DataConfig) -> None:
     schemas = [schema for schema, _ in footers]
     names: list[str] = list(dict.fromkeys(n for schema in schemas for n in schema.names))
     if data.features is not None:
-        wanted = [n for n in data.features + [data.label] + ([data.id_column] if data.id_column else [])]
+        wanted = [n for n in data.feature_names + [data.label] + ([data.id_column] if data.id_column else [])]
         names = [n for n in dict.fromkeys(wanted) if n in names]
     for name in names:
         if name in partition_columns:

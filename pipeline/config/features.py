@@ -1,0 +1,106 @@
+"""Typed entries of ``data.features``: what each source column is and how the ETL turns it into a tensor.
+
+``data.features`` is a list whose items are either a column name (a numeric feature with the defaults,
+as before) or one of the entries below, chosen by ``type``. The ETL fits each on the train split
+(statistics, vocabularies) and records the fitted result in the manifest
+(:class:`pipeline.config.feature_spec.FeatureSpec`).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Batch keys the loader uses itself: a feature may not take them.
+RESERVED_NAMES = ("numeric", "label")
+FEATURE_TYPES = ("numeric", "categorical", "vector", "image", "text")
+
+
+class _Feature(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    # The source column; also the feature's key in a batch and its input name in the served model.
+    name: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _not_reserved(self):
+        if self.name in RESERVED_NAMES or "__" in self.name:
+            raise ValueError(f"feature name {self.name!r} is reserved or contains '__' (the loader's batch keys "
+                             f"{list(RESERVED_NAMES)} and '<name>__len'); rename the column")
+        return self
+
+
+class NumericFeature(_Feature):
+    """A scalar number. All numeric features travel together as ``batch['numeric']`` float32 [B, n]."""
+
+    type: Literal["numeric"] = "numeric"
+    # null: data.standardize decides. Statistics come from the train split only.
+    standardize: Optional[bool] = None
+    # null: a null/NaN/inf value makes the row invalid (data.invalid_rows). mean/median: replaced by the
+    # train split's mean/median of the valid values, and an is-missing flag column is added after it.
+    impute: Optional[Literal["mean", "median"]] = None
+    missing_flag: bool = True
+
+
+class CategoricalFeature(_Feature):
+    """A string or integer column as an int64 id: 0 is null, 1 out-of-vocabulary, 2.. the vocabulary
+    (most frequent first), or with ``hash_buckets`` 0 null and 1..hash_buckets a hash of the value."""
+
+    type: Literal["categorical"] = "categorical"
+    min_count: int = Field(1, ge=1)          # train-split occurrences a value needs to get its own id
+    max_vocab: int = Field(100_000, ge=1)    # more qualifying values than this is an error: use hash_buckets
+    hash_buckets: Optional[int] = Field(None, ge=1, le=2**31 - 2)
+    # The tabular model's embedding width; null: min(64, round(1.6 * cardinality ** 0.56)) (fast.ai's rule).
+    embedding_dim: Optional[int] = Field(None, ge=1, le=4096)
+
+
+class VectorFeature(_Feature):
+    """A fixed-length numeric array (array<float|double|int...>) or Spark ML Vector column: float32 [B, length]."""
+
+    type: Literal["vector"] = "vector"
+    length: int = Field(ge=1, le=1_000_000)
+
+
+class ImageFeature(_Feature):
+    """Encoded PNG/JPEG bytes (source: bytes) or a column of file paths (source: path), decoded with PIL,
+    converted to ``channels`` and resized to height x width: uint8 [B, channels, height, width]."""
+
+    type: Literal["image"] = "image"
+    height: int = Field(ge=1, le=8192)
+    width: int = Field(ge=1, le=8192)
+    channels: Literal[1, 3] = 3
+    source: Literal["bytes", "path"] = "bytes"
+    # decoded: uint8 pixels in the shards (bigger files, no decode while training); encoded: the image bytes,
+    # decoded by the loader's reader threads (small files, decode cost per epoch). See bench/image_bench.py.
+    storage: Literal["decoded", "encoded"] = "decoded"
+
+
+class TextFeature(_Feature):
+    """Token ids, int64 [B, max_len] (0 pad, 1 out-of-vocabulary, 2.. vocabulary) plus ``<name>__len``.
+
+    A string column is lower-cased and split on runs of characters that are not letters or digits; an
+    array<int> column is a sequence of tokens already. Either way the vocabulary is learned on the train
+    split, so ids are dense and 0/1 keep their meaning."""
+
+    type: Literal["text"] = "text"
+    max_len: int = Field(ge=1, le=100_000)
+    min_count: int = Field(1, ge=1)
+    max_vocab: int = Field(50_000, ge=1)
+    embedding_dim: Optional[int] = Field(None, ge=1, le=4096)
+
+
+FeatureEntry = Annotated[Union[NumericFeature, CategoricalFeature, VectorFeature, ImageFeature, TextFeature],
+                         Field(discriminator="type")]
+
+
+def as_entries(features: list) -> list:
+    """``data.features`` items as typed entries: a bare column name is a numeric feature."""
+    return [NumericFeature(name=f) if isinstance(f, str) else f for f in features]
+
+
+def is_plain(features: Optional[list]) -> bool:
+    """True for the classic form: null, or numeric features only without imputation (the packed path)."""
+    if features is None:
+        return True
+    return all(isinstance(f, str) or (isinstance(f, NumericFeature) and f.impute is None and f.standardize is None)
+               for f in features)
