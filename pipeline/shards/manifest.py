@@ -57,7 +57,42 @@ class Manifest:
     features_field: str = "features"
     label_field: str = "label"
     format_version: int = FORMAT_VERSION
+    # The fitted feature spec (FeatureSpec dicts, in configuration order); empty on classic numeric-only
+    # shard sets written before typed features, which `feature_set` then describes from the columns above.
+    features: tuple[dict, ...] = ()
     root: str = ""  # where it was loaded from; not serialized
+
+    @property
+    def feature_set(self):
+        """The features as a FeatureSet (what models are built from and the loader batches hold)."""
+        from pipeline.config.feature_spec import FeatureSet
+
+        if self.features:
+            return FeatureSet.from_list(self.features)
+        return FeatureSet.numeric_only(self.feature_columns, self.means, self.stds, self.standardized)
+
+    def vocabulary(self, name: str):
+        """The learned vocabulary of categorical/text feature `name` as an Arrow string array (id = 2 + position)."""
+        import pyarrow.parquet as pq
+
+        spec = self.feature_set[name]
+        if not spec.vocabulary:
+            raise ManifestError(f"feature {name!r} of {self.root or self.name} has no vocabulary ({spec.type}"
+                                f"{', hash buckets' if spec.hash_buckets else ''})")
+        path = os.path.join(self.root, spec.vocabulary)
+        try:
+            return pq.read_table(path, columns=["value"]).column("value").combine_chunks()
+        except (OSError, KeyError) as exc:
+            raise ManifestError(f"cannot read the vocabulary of feature {name!r} at {path}: {exc}; "
+                                "re-run `shardline etl`") from None
+
+    def vocabularies(self) -> dict:
+        """name -> vocabulary array, for every feature that has one."""
+        return {f.name: self.vocabulary(f.name) for f in self.feature_set if f.vocabulary}
+
+    def vocabulary_files(self) -> dict[str, str]:
+        """name -> absolute path of its vocabulary file."""
+        return {f.name: os.path.join(self.root, f.vocabulary) for f in self.feature_set if f.vocabulary}
 
     @property
     def num_features(self) -> int:
@@ -122,7 +157,8 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
             standardized=data["standardized"], means=tuple(data["means"]), stds=tuple(data["stds"]),
             splits={name: _split_from_dict(s) for name, s in data["splits"].items()},
             fingerprint=data["fingerprint"], etl_report=data.get("etl_report", {}),
-            features_field=data["features_field"], label_field=data["label_field"], root=str(root))
+            features_field=data["features_field"], label_field=data["label_field"],
+            features=tuple(data.get("features") or ()), root=str(root))
     except ManifestError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
