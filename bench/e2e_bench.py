@@ -273,7 +273,7 @@ def main() -> int:
     prep_s = time.perf_counter() - prep_started
     train_rows = manifest.split("train").rows
     steps = steps_per_epoch(manifest, workers, cfg.train.batch_size)
-    spec = model_spec(cfg.model, num_features=manifest.num_features, num_classes=manifest.num_classes,
+    spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
                       task=manifest.task)
     expected_samples = train_rows * cfg.train.epochs
 

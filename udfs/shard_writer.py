@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from udfs.pack import FEATURES, LABEL, SHARD, SPLIT
+from udfs.pack import SHARD, SPLIT
 
 FILES_SCHEMA_DDL = "split string, shard int, path string, rows bigint, row_groups array<bigint>"
 
@@ -103,8 +103,9 @@ def make_write_fn(
         prefix = f"part-{context.partitionId():05d}-a{context.attemptNumber()}-{uuid.uuid4().hex[:8]}"
         writers: dict[tuple[str, int], _GroupWriter] = {}
         for packed in pack(batches):
-            data = pa.RecordBatch.from_arrays([packed.column(FEATURES), packed.column(LABEL)],
-                                              names=[FEATURES, LABEL])
+            # Every packed column but the routing ones: the numeric block, the typed features, the label.
+            kept = [name for name in packed.schema.names if name not in (SPLIT, SHARD)]
+            data = pa.RecordBatch.from_arrays([packed.column(name) for name in kept], names=kept)
             splits = packed.column(SPLIT).to_numpy(zero_copy_only=False)
             shards = packed.column(SHARD).to_numpy(zero_copy_only=False)
             keys = np.char.add(splits.astype(str), np.char.add("/", shards.astype(str)))

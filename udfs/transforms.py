@@ -259,6 +259,31 @@ class Transform:
     def columns(self) -> list[str]:
         return [s["name"] for s in self.specs]
 
+    def check(self, table):
+        """(invalid [n], invalid counts per column, first image error): what `apply` would refuse, without
+        building the outputs (vocabularies are not needed: a categorical or text value is never invalid)."""
+        invalid = np.zeros(table.num_rows, dtype=bool)
+        counts: dict[str, int] = {}
+        image_error = None
+        for spec in self.specs:
+            name, kind = spec["name"], spec["type"]
+            if kind == "numeric":
+                if spec.get("impute"):
+                    continue
+                bad = ~np.isfinite(_floats(table.column(name)))
+            elif kind == "vector":
+                bad = vector_matrix(table.column(name), int(spec["length"]))[1]
+            elif kind == "image":
+                encoded = image_bytes(table.column(name), spec.get("source", "bytes"))
+                _, bad, error = decode_images(encoded, int(spec["height"]), int(spec["width"]), int(spec["channels"]))
+                image_error = image_error or error
+            else:
+                continue
+            if bad.any():
+                counts[name] = int(bad.sum())
+                invalid |= bad
+        return invalid, counts, image_error
+
     def apply(self, table):
         rows = table.num_rows
         arrays: dict[str, np.ndarray] = {}

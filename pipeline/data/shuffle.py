@@ -7,6 +7,9 @@ rows picks n random positions of that list, gathers their rows with one np.take 
 the contiguous float32 block), swap-removes the positions from the int list and frees the slots; adding
 writes the new rows straight into free slots. So per row: one copy in, one copy out, no compaction.
 The loader takes every row beyond its capacity in one call per row group, then slices batches.
+
+A row is several arrays (the batch dict: the numeric block, ids, pixels, tokens...), each held in its own
+[slots, *shape] block of its own dtype; `layout` names them. Rows go in and out as (dict, labels).
 """
 from __future__ import annotations
 
@@ -16,10 +19,14 @@ log = logging.getLogger(__name__)
 
 
 class ShuffleBuffer:
-    def __init__(self, slots: int, width: int, label_dtype, rng=None):
+    def __init__(self, slots: int, layout, label_dtype, rng=None):
+        """layout: {key: (row shape, dtype)} of the arrays of a row (an int: one float32 `numeric` block of
+        that width)."""
         import numpy as np
 
-        self._features = np.empty((slots, width), dtype=np.float32)
+        if isinstance(layout, int):
+            layout = {"numeric": ((layout,), np.float32)}
+        self._features = {key: np.empty((slots, *shape), dtype=dtype) for key, (shape, dtype) in layout.items()}
         self._labels = np.empty(slots, dtype=label_dtype)
         self._rows = 0
         self._start = 0  # FIFO mode (no rng): rows before this were already taken
@@ -49,11 +56,13 @@ class ShuffleBuffer:
             self._nfree -= n
             lo = int(slots.min()) if n else 0
             if n and int(slots.max()) == lo + n - 1:  # free slots are distinct: they are exactly lo..lo+n-1
-                self._features[lo:lo + n] = features  # e.g. a fresh buffer: plain copies, no scatter
+                for key, block in self._features.items():  # e.g. a fresh buffer: plain copies, no scatter
+                    block[lo:lo + n] = features[key]
                 self._labels[lo:lo + n] = labels
                 self._order[self._rows:self._rows + n] = np.arange(lo, lo + n)
             else:
-                self._features[slots] = features
+                for key, block in self._features.items():
+                    block[slots] = features[key]
                 self._labels[slots] = labels
                 self._order[self._rows:self._rows + n] = slots
             self._rows += n
@@ -61,13 +70,15 @@ class ShuffleBuffer:
             return
         if self._start:  # FIFO: move the untaken rows to the front first
             live = len(self)
-            self._features[:live] = self._features[self._start:self._rows]
+            for block in self._features.values():
+                block[:live] = block[self._start:self._rows]
             self._labels[:live] = self._labels[self._start:self._rows]
             self._rows, self._start = live, 0
         if self._rows + n > self.slots:
             raise ValueError(f"internal: shuffle buffer of {self.slots} slots cannot take {n} more rows "
                              f"(holding {self._rows}); please report this")
-        self._features[self._rows:self._rows + n] = features
+        for key, block in self._features.items():
+            block[self._rows:self._rows + n] = features[key]
         self._labels[self._rows:self._rows + n] = labels
         self._rows += n
         self.peak_rows = max(self.peak_rows, self._rows)
@@ -81,11 +92,13 @@ class ShuffleBuffer:
         if self.rng is None:
             begin = self._start
             self._start += n
-            return self._features[begin:begin + n].copy(), self._labels[begin:begin + n].copy()
+            return ({key: block[begin:begin + n].copy() for key, block in self._features.items()},
+                    self._labels[begin:begin + n].copy())
         rows = self._rows
         picked = self.rng.choice(rows, size=n, replace=False)  # positions in the occupied list
         slots = self._order[picked]
-        features, labels = np.take(self._features, slots, axis=0), np.take(self._labels, slots)
+        features = {key: np.take(block, slots, axis=0) for key, block in self._features.items()}
+        labels = np.take(self._labels, slots)
         # swap-remove the picked positions (ints only): holes below `keep` get the unpicked tail entries
         keep = rows - n
         holes = picked[picked < keep]

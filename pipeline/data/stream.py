@@ -4,7 +4,8 @@ Per epoch: row groups in a seeded random order -> decoded ahead by reader thread
 -> a fixed-size shuffle buffer, which hands every row beyond its capacity on as one randomly ordered
 block per row group (a single vectorised gather) -> exactly `steps_per_epoch` batches whose sizes differ
 by at most one, zero-copy slices of those blocks, covering every row of the rank once -> a bounded queue
-filled by a prefetch thread -> the caller.
+filled by a prefetch thread -> the caller. A batch is (inputs, labels): inputs the dict of tensors
+described in pipeline.config.feature_spec (`numeric`, then one entry per other feature).
 Memory is O(shuffle_buffer_rows + row group x (reader_threads + 2) + batch x prefetch), whatever the
 shard size.
 """
@@ -35,13 +36,18 @@ class StreamingLoader:
                  features_field: str = "features", label_field: str = "label", num_features: Optional[int] = None,
                  row_group_rows: Optional[Sequence[Sequence[int]]] = None, shuffle: bool = True,
                  shuffle_buffer_rows: int = 65_536, prefetch: int = 2, reader_threads: int = 1,
-                 reader: str = "arrow", pin_memory: Optional[bool] = None):
+                 reader: str = "arrow", pin_memory: Optional[bool] = None, features=None):
         from pipeline.errors import DataError
 
         if steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
         if reader not in READERS:
             raise DataError(f"data.reader={reader!r} is not one of {READERS}")
+        if features is not None and reader == "petastorm" and not features.only_numeric:
+            others = [f"{f.name} ({f.type})" for f in features if f.type != "numeric"]
+            raise DataError(f"data.reader=petastorm serves numeric features only; this shard set also has {others}: "
+                            "set data.reader=arrow (shardline's reader serves every feature type)")
+        self.features = features  # a FeatureSet (None: the classic packed numeric block)
         self.files = list(files)
         self.groups: list[RowGroup] = row_groups(self.files, row_group_rows)
         self.num_rows = sum(g.rows for g in self.groups)
@@ -85,7 +91,7 @@ class StreamingLoader:
             if group.path not in files:
                 files[group.path] = pq.ParquetFile(group.path)
             features, labels = read_row_group(files[group.path], group.path, group.index, self.features_field,
-                                              self.label_field, self.num_features)
+                                              self.label_field, self.num_features, self.features)
             if len(labels) != group.rows:
                 raise DataError(f"{group.path} row group {group.index} has {len(labels)} rows, its footer or the "
                                 f"manifest says {group.rows}; re-run `shardline etl`")
@@ -122,9 +128,10 @@ class StreamingLoader:
         if self.reader == "petastorm":
             from pipeline.data.petastorm_source import petastorm_chunks
 
-            return petastorm_chunks(self.files, self.features_field, self.label_field, self.num_features,
-                                    seed=self.seed, rank=self.rank, epoch=epoch, shuffle=self.shuffle,
-                                    workers=self.reader_threads)
+            chunks = petastorm_chunks(self.files, self.features_field, self.label_field, self.num_features,
+                                      seed=self.seed, rank=self.rank, epoch=epoch, shuffle=self.shuffle,
+                                      workers=self.reader_threads)
+            return (({"numeric": x}, y) for x, y in chunks)
         return self._arrow_chunks(epoch, stop)
 
     # -- batches ------------------------------------------------------------------------------------
@@ -159,23 +166,28 @@ class StreamingLoader:
                 if len(y) <= need:
                     stream.popleft()
                 else:
-                    stream[0] = (x[need:], y[need:])
-                    x, y = x[:need], y[:need]
+                    stream[0] = ({key: value[need:] for key, value in x.items()}, y[need:])
+                    x, y = {key: value[:need] for key, value in x.items()}, y[:need]
                 xs.append(x)
                 ys.append(y)
                 need -= len(y)
             streamed -= size
             if not keep:
                 return None
-            x, y = (xs[0], ys[0]) if len(xs) == 1 else (np.concatenate(xs), np.concatenate(ys))
-            x, y = torch.from_numpy(x), torch.from_numpy(y)
-            return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+            if len(xs) == 1:
+                x, y = xs[0], ys[0]
+            else:
+                x, y = {key: np.concatenate([part[key] for part in xs]) for key in xs[0]}, np.concatenate(ys)
+            x, y = {key: torch.from_numpy(value) for key, value in x.items()}, torch.from_numpy(y)
+            if pin:
+                return {key: value.pin_memory() for key, value in x.items()}, y.pin_memory()
+            return x, y
 
         for features, labels in self._chunks(epoch, stop):
             if buffer is None:
                 # Sized once: a chunk arrives only while the buffer is at or below capacity.
-                buffer = ShuffleBuffer(capacity + max(largest_group, len(labels)), features.shape[1],
-                                       labels.dtype, rng)
+                layout = {key: (value.shape[1:], value.dtype) for key, value in features.items()}
+                buffer = ShuffleBuffer(capacity + max(largest_group, len(labels)), layout, labels.dtype, rng)
             seen += len(labels)
             if seen > self.num_rows:
                 raise DataError(f"rank {self.rank}: the shard files hold more rows than their footers/manifest "
@@ -184,7 +196,8 @@ class StreamingLoader:
             offset = 0
             while offset < len(labels):
                 piece = min(buffer.slots - len(buffer), len(labels) - offset)
-                buffer.add(features[offset:offset + piece], labels[offset:offset + piece])
+                buffer.add({key: value[offset:offset + piece] for key, value in features.items()},
+                           labels[offset:offset + piece])
                 offset += piece
                 if len(buffer) > capacity:
                     block = buffer.take(len(buffer) - capacity)

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.config.feature_spec import FeatureSet
+from pipeline.config.features import is_plain
 from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.etl.clean import (
     MAX_CLASSES, NONNUM_FLAGS, CastFrame, CleanReport, cast_with_flags, clean_report, configured_classes,
     describe_input, feature_columns, label_mapping)
+from pipeline.etl.checks import check_split_sizes, input_errors
 from pipeline.etl.sources import DIGITS_ID, read_source
 from pipeline.etl.synthetic import SYNTHETIC_ID
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
@@ -50,49 +51,6 @@ class Profile:
     stds: list[float]
     labels: list[str]
     label_values_truncated: bool
-
-
-_READ_FAILURE = re.compile(r"Encountered error while reading file (\S+?)\.?(?:\s|$)")
-_CAUSE = re.compile(r"^Caused by: (?:[\w.$]+(?:Exception|Error)): (.+)$", re.MULTILINE)
-
-
-def read_failure(exc: BaseException, data) -> DataError | None:
-    """A Spark job that failed reading one input file (corrupt Parquet, a column of another type, a CSV
-    header that differs) as a DataError naming the file, Spark's reason and the fix; None for others."""
-    text = str(exc)
-    found = _READ_FAILURE.search(text)
-    if not found:
-        return None
-    path = found.group(1)
-    path = path[len("file://"):] if path.startswith("file:///") else path.removeprefix("file:")
-    line = text[found.end():].split("\n", 1)[0]
-    reason = line.split("SQLSTATE")[0].strip()
-    cause = _CAUSE.search(text, found.end())
-    if cause:
-        # The root cause's message, with its continuation lines (a CSV header mismatch spans several).
-        lines = [cause.group(1).strip()]
-        for more in text[cause.end():].split("\n")[1:5]:
-            if not more.strip() or more.startswith(("\t", "Caused by")) or more.lstrip().startswith(("at ", "...")):
-                break
-            lines.append(more.strip())
-        reason = f"{reason} {' '.join(lines)}".strip()
-    return DataError(f"cannot read input file {path} ({describe_input(data)}, data.source={data.source}): "
-                     f"{reason or 'Spark could not read it'}; the file is corrupt or its schema differs from "
-                     "the other files: replace or remove it and re-run the ETL")
-
-
-@contextmanager
-def input_errors(data):
-    """Turn a Spark failure to read an input file into a DataError naming the file."""
-    try:
-        yield
-    except DataError:
-        raise
-    except Exception as exc:
-        error = read_failure(exc, data)
-        if error is None:
-            raise
-        raise error from None
 
 
 def profile(frame: CastFrame, features: list[str], data, label_values: list[str] | None = None,
@@ -151,7 +109,8 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
     started = time.perf_counter()
     data = cfg.data
     raw = read_source(spark, data, cfg.workdir)
-    id_column = data.id_column or {"digits": DIGITS_ID, "synthetic": SYNTHETIC_ID}.get(data.source)
+    id_column = data.id_column or {"digits": DIGITS_ID, "digits_images": DIGITS_ID, "synthetic": SYNTHETIC_ID,
+                                   "clicks": SYNTHETIC_ID}.get(data.source)
     if id_column and id_column not in raw.columns:
         raise DataError(f"id column {id_column!r} (data.id_column) is not in the input ({describe_input(data)}; "
                         f"columns present: {raw.columns}); set data.id_column to the column that identifies a "
@@ -162,6 +121,10 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
     # data.classes: the label set and its order are configured; rows with other labels are invalid rows.
     classes = None if data.classes is None else configured_classes(
         data.classes, data.label, selected.schema[data.label].dataType.simpleString(), numeric_labels)
+    if not is_plain(data.features):
+        from pipeline.etl.typed import run_typed_etl
+
+        return run_typed_etl(spark, cfg, selected, id_column, classes, numeric_labels, statistics, started)
     frame = cast_with_flags(selected, features, data)
     frame = dataclasses.replace(frame, df=assign_split(
         frame.df, [id_column] if id_column else features + [data.label], data.split))
@@ -174,19 +137,7 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
         labels = classes if classes is not None else label_mapping(
             prof.labels, prof.label_values_truncated, data.label, numeric_labels)
 
-    workers, batch_size = cfg.parallelism.data, cfg.train.batch_size
-    if totals["train"] < workers * batch_size:
-        # Checked before anything is written: every worker needs one full batch per step.
-        raise DataError(
-            f"the train split has {totals['train']} rows ({report.output_rows} valid of {report.input_rows} "
-            f"input rows in {describe_input(data)}, data.split.train={data.split.train}), fewer than one batch "
-            f"per worker: parallelism.data={workers} workers x train.batch_size={batch_size} = "
-            f"{workers * batch_size} rows; use fewer workers (parallelism.data), a smaller train.batch_size, "
-            "or more data")
-    for name in ("validation", "test"):
-        if totals[name] == 0 and getattr(data.split, name) > 0:
-            raise DataError(f"the {name} split is empty ({report.output_rows} valid rows); "
-                            f"raise data.split.{name} or add data")
+    num_shards = check_split_sizes(totals, report, data, cfg.parallelism.data, cfg.train.batch_size)
     means, stds = (prof.means, prof.stds) if data.standardize else ([0.0] * len(features), [1.0] * len(features))
     if statistics is not None and data.standardize:
         # Frozen statistics (the incremental workflow's later partitions): every partition is scaled alike.
@@ -194,9 +145,6 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
         if len(means) != len(features) or len(stds) != len(features):
             raise DataError(f"the frozen statistics cover {len(means)} features, the input has {len(features)} "
                             f"({features}); the source's columns changed: start a new workflow state")
-    # One train shard per worker; validation is read whole by rank 0; test is spread for Spark evaluation.
-    num_shards = {"train": workers, "validation": min(1, totals["validation"]),
-                  "test": min(workers, totals["test"])}
     pack = make_pack_fn(features, data.label, SPLIT_COLUMN, means if data.standardize else None,
                         stds if data.standardize else None, prof.offsets, prof.split_rows, num_shards,
                         labels, numeric_labels, frame.cast_columns,
@@ -209,6 +157,7 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
             feature_columns=features, label_column=data.label,
             label_mapping=list(data.classes) if classes is not None else labels,
             standardized=data.standardize, means=means, stds=stds, etl_report=etl_report,
+            features=FeatureSet.numeric_only(features, means, stds, data.standardize).to_list(),
             rows_per_row_group=cfg.shards.rows_per_row_group,
             rows_per_file=rows_per_file(cfg.shards.target_file_mb, len(features)))
     for split, info in manifest.splits.items():

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from pipeline.data.arrow_read import shard_columns
 from pipeline.evaluate.metrics import (EvalResult, classification_metrics, classification_partials,
                                        regression_metrics, regression_partials)
 from pipeline.errors import DataError
@@ -45,9 +46,12 @@ def _make_partials_fn(spec_dict: dict, weights, features_field: str, label_field
         import pyarrow as pa
         import torch
 
+        from pipeline.data.arrow_read import feature_arrays
         from pipeline.models import ModelSpec, build_model, load_flat_parameters
 
-        model = build_model(ModelSpec.from_dict(spec_dict))
+        spec = ModelSpec.from_dict(spec_dict)
+        features = spec.feature_set
+        model = build_model(spec)
         load_flat_parameters(model, torch.from_numpy(weights.value))
         model.eval()
         total = None
@@ -55,10 +59,10 @@ def _make_partials_fn(spec_dict: dict, weights, features_field: str, label_field
             for batch in batches:
                 if batch.num_rows == 0:
                     continue
-                column = batch.column(features_field)
-                x = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, num_features)
+                table = pa.Table.from_batches([batch])
+                x = feature_arrays(table, features, features_field, "the evaluated split", 0, num_features)
                 y = batch.column(label_field).to_numpy(zero_copy_only=False)
-                out = model(torch.from_numpy(x)).numpy()
+                out = model({key: torch.from_numpy(np.ascontiguousarray(v)) for key, v in x.items()}).numpy()
                 part = (classification_partials(out, y.astype(np.int64), num_classes) if num_classes
                         else regression_partials(out.reshape(-1), y.astype(np.float64)))
                 total = part if total is None else total + part
@@ -83,8 +87,8 @@ def evaluate(spark, manifest: Manifest, spec: ModelSpec, parameters, split: str 
     fn = _make_partials_fn(spec.to_dict(), shipped, manifest.features_field, manifest.label_field,
                            manifest.num_features, num_classes)
     try:
-        partials = spark.read.parquet(*files).select(manifest.features_field, manifest.label_field) \
-            .mapInArrow(fn, "partial array<double>").collect()
+        columns = shard_columns(manifest.feature_set, manifest.features_field) + [manifest.label_field]
+        partials = spark.read.parquet(*files).select(*columns).mapInArrow(fn, "partial array<double>").collect()
     finally:
         shipped.unpersist()
     total = np.sum([np.asarray(r["partial"]) for r in partials], axis=0)

@@ -64,7 +64,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     check_barrier_slots(spark, workers, None if stages == 1 else
                         f"parallelism.data x pipeline = {replicas} x {stages} barrier tasks")
     steps = steps_per_epoch(manifest, replicas, cfg.train.batch_size)
-    spec = model_spec(cfg.model, num_features=manifest.num_features, num_classes=manifest.num_classes,
+    spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
                       task=manifest.task)
     store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints)
     allreduce = cfg.train.backend == "allreduce"

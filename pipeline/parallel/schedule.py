@@ -160,12 +160,14 @@ class GPipeStage:
         feature_parts = label_parts = None
         rows_per_micro: Optional[list[int]] = None
         if features is not None:
-            rows_per_micro = split_rows(features.shape[0], self.micro_batches)
-            feature_parts = torch.split(features, rows_per_micro)
+            from pipeline.data.batch import batch_rows as rows_of, split_batch
+
+            rows_per_micro = split_rows(rows_of(features), self.micro_batches)
+            feature_parts = split_batch(features, rows_per_micro)
         if labels is not None:
             label_rows = split_rows(labels.shape[0], self.micro_batches)
             if rows_per_micro is not None and label_rows != rows_per_micro:
-                raise ValueError(f"features have {features.shape[0]} rows but labels {labels.shape[0]}")
+                raise ValueError(f"features have {sum(rows_per_micro)} rows but labels {labels.shape[0]}")
             rows_per_micro = label_rows
             label_parts = torch.split(labels, label_rows)
         batch_rows = sum(rows_per_micro) if rows_per_micro is not None else 0
@@ -184,7 +186,7 @@ class GPipeStage:
                     step, micro, rows=rows_per_micro[micro] if rows_per_micro is not None else None)
                 stats.idle_s += time.perf_counter() - t0
                 x = x.to(self.device).requires_grad_(True)
-            rows_seen += x.shape[0]
+            rows_seen += rows_per_micro[micro] if feature_parts is not None else x.shape[0]
             t0 = time.perf_counter()
             y = self.module(x)
             if self.is_last:

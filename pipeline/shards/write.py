@@ -49,6 +49,19 @@ def _shards_from_files(root: Path, split: str, num_shards: int, files: list[dict
     return SplitShards(rows=sum(s.rows for s in shards), shards=tuple(shards))
 
 
+def _write_vocabularies(root: Path, vocabularies: Mapping[str, Any]) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    written = []
+    for relative, values in sorted(vocabularies.items()):
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"value": pa.array(values, pa.string())}), path, compression="zstd")
+        written.append(relative)
+    return written
+
+
 def _remove_unreported(root: Path, reported: set[str]) -> int:
     """Delete files that no successful task attempt reported (failed or speculative attempts)."""
     removed = 0
@@ -76,6 +89,8 @@ def write_shards(
     etl_report: Mapping[str, Any],
     rows_per_row_group: int,
     rows_per_file: int,
+    features: Sequence[dict] = (),
+    vocabularies: Optional[Mapping[str, Any]] = None,
 ) -> Manifest:
     """Pack `df` with `pack` (udfs/pack.py) in its Spark tasks, write the shards, commit them as `target`.
 
@@ -83,6 +98,10 @@ def write_shards(
     per input partition, or more past rows_per_file; row groups hold exactly rows_per_row_group rows
     (the loader's read unit) except the last of a file. `target` must be visible to the driver and every
     executor (a local path in local mode; a shared mount such as NFS or /dbfs on a cluster).
+
+    `features` are the fitted FeatureSpec dicts; `vocabularies` maps a FeatureSpec.vocabulary path
+    (relative to the shard set) to its values (an Arrow string array), written as one-column Parquet files
+    inside the set and covered by its fingerprint.
     """
     from udfs.shard_writer import FILES_SCHEMA_DDL, make_write_fn
 
@@ -103,12 +122,16 @@ def write_shards(
                 raise DataError(f"internal: {split} shards are unbalanced {counts}; please report this")
         header = {"feature_columns": list(feature_columns), "label_mapping": list(label_mapping or []),
                   "means": list(means), "stds": list(stds), "task": task}
+        if features:
+            header["features"] = list(features)
         files = [f.path for info in splits.values() for s in info.shards for f in s.files]
+        files += _write_vocabularies(staging, vocabularies or {})
         manifest = Manifest(
             name=name, task=task, feature_columns=tuple(feature_columns), label_column=label_column,
             label_mapping=tuple(label_mapping) if label_mapping is not None else None,
             standardized=standardized, means=tuple(means), stds=tuple(stds), splits=splits,
-            fingerprint=fingerprint_files(staging, files, header), etl_report=dict(etl_report))
+            fingerprint=fingerprint_files(staging, files, header), etl_report=dict(etl_report),
+            features=tuple(features))
         manifest.write(staging)
         commit(staging, target)
     finally:

@@ -53,7 +53,11 @@ def keeps_its_type(exc: BaseException) -> bool:
 
 
 def describe_tensor(tensor) -> str:
-    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}" if tensor is not None else "none"
+    if tensor is None:
+        return "none"
+    if isinstance(tensor, dict):  # a batch's inputs
+        return "{" + ", ".join(f"{key}: {describe_tensor(value)}" for key, value in tensor.items()) + "}"
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def describe_model(spec: ModelSpec) -> str:

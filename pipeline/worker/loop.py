@@ -11,6 +11,7 @@ import logging
 import time
 from contextlib import nullcontext
 
+from pipeline.data.batch import to_device
 from pipeline.worker.guards import batch_inputs, check_finite, keeps_its_type, model_input_error
 from pipeline.worker.plan import WorkerPlan
 from pipeline.worker.skeleton import (FaultHooks, InjectedFault, LogStream, WorkerResult, failures_reported,
@@ -51,9 +52,9 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
     with ps_session(plan, ps_host, ps_port, secret, log_tail=log_tail) as (client, info):
         loader = make_train_loader(plan)
         validation = (read_tensors(plan.validation_files, plan.features_field, plan.label_field,
-                                   plan.num_features) if plan.validation_files else None)
+                                   plan.num_features, plan.model.feature_set) if plan.validation_files else None)
         if validation is not None:
-            validation = (validation[0].to(device), validation[1].to(device))
+            validation = (to_device(validation[0], device), validation[1].to(device))
         model = build_model(plan.model).to(device)
         group = _process_group(rendezvous, plan, faults, device) if plan.backend == "allreduce" else nullcontext()
         with group, failures_reported(client), LogStream(client, plan.rank) as logs:
@@ -102,7 +103,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
         for x, y in loader.epoch(epoch, start_step=skip if epoch == first_epoch else 0):
             faults.before_step(step)
             if device != "cpu":
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = to_device(x, device), y.to(device, non_blocking=True)
             for p in model.parameters():
                 p.grad = None
             try:
@@ -118,8 +119,8 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
             value = batch_loss.item()
             check_finite(value, rank=plan.rank, step=step, epoch=epoch)
             step = exchange.after_backward(step)
-            loss_sum += value * len(x)
-            epoch_samples += len(x)
+            loss_sum += value * len(y)
+            epoch_samples += len(y)
             logs.tick()
         seconds = time.perf_counter() - epoch_started
         last_loss = loss_sum / max(epoch_samples, 1)

@@ -63,7 +63,8 @@ def make_train_loader(plan: WorkerPlan, *, rank: Optional[int] = None,
                            label_field=label_field, num_features=plan.num_features,
                            row_group_rows=loader.row_group_rows, shuffle=loader.shuffle,
                            shuffle_buffer_rows=loader.shuffle_buffer_rows, prefetch=loader.prefetch,
-                           reader_threads=loader.reader_threads, reader=loader.reader)
+                           reader_threads=loader.reader_threads, reader=loader.reader,
+                           features=plan.model.feature_set)
 
 
 # -- the PS session --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
+from pipeline.data.batch import to_device
 from pipeline.errors import PSError
 from pipeline.worker.guards import batch_inputs, check_finite, keeps_its_type, model_input_error
 from pipeline.worker.plan import StagePlan, WorkerPlan
@@ -200,7 +201,7 @@ def _train(plan: WorkerPlan, grid: StagePlan, client, info, module, gpipe, loade
             if batches is not None:
                 x, y = next(batches)
                 if device != "cpu":
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    x, y = to_device(x, device), y.to(device, non_blocking=True)
             faults.before_step(step)
             for p in module.parameters():
                 p.grad = None

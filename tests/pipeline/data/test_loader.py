@@ -21,6 +21,8 @@ def _shard(path, rows, width=4, start=0):
 def test_read_tensors_concatenates_files(tmp_path):
     files = [_shard(tmp_path / "a.parquet", 5), _shard(tmp_path / "b.parquet", 3, start=5)]
     x, y = read_tensors(files)
+    assert set(x) == {"numeric"}
+    x = x["numeric"]
     assert x.shape == (8, 4) and x.dtype == torch.float32
     assert y.tolist() == list(range(8)) and y.dtype == torch.int64
     assert torch.equal(x[:, 0], y.float())

@@ -27,7 +27,7 @@ def test_petastorm_gives_the_same_rows_as_arrow(tmp_path, shuffle):
         for reader in ("arrow", "petastorm"):
             loader = StreamingLoader(rank_files, steps_per_epoch=steps, seed=1, rank=rank, reader=reader,
                                      shuffle=shuffle, shuffle_buffer_rows=64, reader_threads=2)
-            batches = list(loader.epoch(0))
+            batches = [(x["numeric"], y) for x, y in loader.epoch(0)]
             assert len(batches) == steps
             for x, y in batches:
                 assert x.dtype == torch.float32 and torch.equal(x[:, 0], y.float())
@@ -72,7 +72,7 @@ def test_petastorm_reads_the_shards_the_etl_wrote(spark, tmp_path):
         for reader in ("arrow", "petastorm"):
             loader = StreamingLoader(rank_files(manifest, rank), steps_per_epoch=steps, seed=3, rank=rank,
                                      reader=reader, num_features=manifest.num_features)
-            batches = list(loader.epoch(0))
+            batches = [(x["numeric"], y) for x, y in loader.epoch(0)]
             assert len(batches) == steps
             rows = torch.cat([torch.cat([x, y.float().unsqueeze(1)], dim=1) for x, y in batches])
             got[reader] = sorted(map(tuple, rows.tolist()))

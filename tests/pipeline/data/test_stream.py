@@ -38,7 +38,7 @@ def _rank_files(tmp_path, rows_per_rank, files_per_rank=2, row_group_size=64):
 
 
 def _epoch(loader, epoch):
-    batches = list(loader.epoch(epoch))
+    batches = [(x["numeric"], y) for x, y in loader.epoch(epoch)]
     for x, y in batches:  # features stay aligned with their labels
         assert x.dtype == torch.float32 and torch.equal(x[:, 0], y.float()) and torch.equal(x[:, -1], y.float())
     return batches
@@ -137,10 +137,10 @@ def test_shuffle_buffer_takes_each_row_once():
     taken = []
     for start in range(0, 100, 20):
         ids = np.arange(start, start + 20)
-        buffer.add(np.stack([ids, ids], axis=1).astype(np.float32), ids)
+        buffer.add({"numeric": np.stack([ids, ids], axis=1).astype(np.float32)}, ids)
         while len(buffer) >= 15:
             x, y = buffer.take(7)
-            assert np.array_equal(x[:, 0], y)
+            assert np.array_equal(x["numeric"][:, 0], y)
             taken += y.tolist()
     while len(buffer):
         taken += buffer.take(min(7, len(buffer)))[1].tolist()

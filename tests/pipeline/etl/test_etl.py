@@ -58,7 +58,7 @@ def test_statistics_come_from_the_train_split_only(spark, tmp_path):
     assert np.allclose(manifest.stds, expected_std)
     assert not np.allclose(manifest.means, [columns["f1"].mean(), columns["f2"].mean()], atol=1e-9)
     # the shards hold standardized train features: mean ~0, std ~1 over all train shards
-    x = np.concatenate([read_tensors(manifest.files("train", r))[0].numpy() for r in range(2)])
+    x = np.concatenate([read_tensors(manifest.files("train", r))[0]["numeric"].numpy() for r in range(2)])
     assert np.allclose(x.mean(axis=0), 0, atol=1e-5) and np.allclose(x.std(axis=0), 1, atol=1e-4)
     assert manifest.label_mapping == ("cat", "dog")
     assert manifest.feature_columns == ("f1", "f2")

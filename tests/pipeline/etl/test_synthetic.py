@@ -33,9 +33,10 @@ def test_generated_data_is_deterministic_and_learnable(spark, tmp_path):
     assert sum(s.rows for s in manifest.splits.values()) == 4000
     from sklearn.linear_model import LogisticRegression
 
-    x_train = np.concatenate([read_tensors(manifest.files("train", r))[0].numpy() for r in range(2)])
+    x_train = np.concatenate([read_tensors(manifest.files("train", r))[0]["numeric"].numpy() for r in range(2)])
     y_train = np.concatenate([read_tensors(manifest.files("train", r))[1].numpy() for r in range(2)])
-    x_test, y_test = (t.numpy() for t in read_tensors(manifest.files("test")))
+    x_test, y_test = read_tensors(manifest.files("test"))
+    x_test, y_test = x_test["numeric"].numpy(), y_test.numpy()
     accuracy = LogisticRegression(max_iter=500).fit(x_train, y_train).score(x_test, y_test)
     majority = np.bincount(y_test).max() / len(y_test)
     assert accuracy > majority + 0.2, (accuracy, majority)  # the teacher's labels are learnable

@@ -83,7 +83,8 @@ def _uneven_manifest(manifest, sizes):
     from pipeline.data import read_tensors
     from pipeline.shards.manifest import Shard, ShardFile, SplitShards
 
-    features, labels = read_tensors(manifest.files("train"), num_features=manifest.num_features)
+    inputs, labels = read_tensors(manifest.files("train"), num_features=manifest.num_features)
+    features = inputs["numeric"]
     shards, start = [], 0
     for index, rows in enumerate(sizes):
         relative = f"uneven/shard={index}/part-0.parquet"
