@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
+from pipeline.config.feature_spec import FeatureSet
 from pipeline.config.schema import ModelConfig
 
 _ACTIVATIONS = {"relu": "ReLU", "tanh": "Tanh", "gelu": "GELU"}
@@ -23,6 +26,19 @@ class ModelSpec:
     dropout: float = 0.0
     factory: Optional[str] = None
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
+    # FeatureSpec.to_dict() of each feature; empty for a classic spec (num_features packed numeric columns).
+    features: tuple[dict[str, Any], ...] = ()
+
+    def __post_init__(self):
+        if self.features and self.feature_set.numeric_width != self.num_features:
+            raise ValueError(f"num_features is {self.num_features} but the features' numeric block is "
+                             f"{self.feature_set.numeric_width} wide")
+
+    @property
+    def feature_set(self) -> FeatureSet:
+        if self.features:
+            return FeatureSet.from_list(self.features)
+        return FeatureSet.numeric_only([f"x{i}" for i in range(self.num_features)], standardize=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -31,10 +47,20 @@ class ModelSpec:
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
         data = dict(data)
         data["hidden"] = tuple(data.get("hidden", ()))
+        data["features"] = tuple(dict(f) for f in data.get("features", ()))  # absent in specs before typed features
         return cls(**data)
 
 
-def model_spec(config: ModelConfig, *, num_features: int, num_classes: Optional[int], task: str) -> ModelSpec:
+def model_spec(config: ModelConfig, *, num_features: Optional[int] = None, features: Optional[FeatureSet] = None,
+               num_classes: Optional[int], task: str) -> ModelSpec:
+    """The spec of ``config``'s model for ``features`` (or, classic, ``num_features`` packed numeric columns)."""
+    if features is not None:
+        if num_features is not None and num_features != features.numeric_width:
+            raise ValueError(f"num_features={num_features} disagrees with the features' numeric width "
+                             f"{features.numeric_width}; pass features alone")
+        num_features = features.numeric_width
+    elif num_features is None:
+        raise TypeError("model_spec needs features (a FeatureSet) or num_features")
     num_outputs = num_classes if task == "classification" else 1
     if task == "classification" and (num_classes is None or num_classes < 2):
         from pipeline.errors import DataError
@@ -50,6 +76,7 @@ def model_spec(config: ModelConfig, *, num_features: int, num_classes: Optional[
         dropout=config.dropout,
         factory=config.factory,
         factory_kwargs=dict(config.factory_kwargs),
+        features=tuple(features.to_list()) if features is not None else (),
     )
 
 
@@ -68,34 +95,107 @@ def _resolve_factory(path: str) -> Callable[..., Any]:
     return factory
 
 
-def build_model(spec: ModelSpec):
-    """A fresh torch module for `spec`. Built-ins are plain nn.Sequential so they load without our code."""
+def _is_classic(factory: Callable[..., Any]) -> bool:
+    """A factory taking ``num_features`` (and no ``features``) maps one float tensor: the form before
+    typed features. One whose signature cannot be read is taken as the current form."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    return "num_features" in params and "features" not in params
+
+
+def _with_input(model, adapter):
+    """``adapter`` then ``model``, flattened into one nn.Sequential when ``model`` is a plain Sequential
+    or a list of stage modules, so pipeline cuts still see its layers (or its stages)."""
     import torch.nn as nn
 
-    if spec.kind == "factory":
-        model = _resolve_factory(spec.factory)(num_features=spec.num_features, num_outputs=spec.num_outputs,
-                                                **spec.factory_kwargs)
-        if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
-            # A factory may return its pipeline stages; the whole model is their composition, and each
-            # stage stays one child, so parallelism.pipeline cuts it exactly there.
-            model = nn.Sequential(*model)
-            model.shardline_stages = True
-        if not isinstance(model, nn.Module):
-            from pipeline.errors import ConfigError
+    if isinstance(model, (list, tuple)):
+        # A factory may return its pipeline stages; the whole model is their composition, and each
+        # stage stays one child, so parallelism.pipeline cuts it exactly there.
+        wrapped = nn.Sequential(OrderedDict([("input", adapter)] + [(str(i), m) for i, m in enumerate(model)]))
+        wrapped.shardline_stages = True
+        return wrapped
+    children = list(model.named_children())
+    if type(model).forward is nn.Sequential.forward and all(name != "input" for name, _ in children):
+        # Keep the user's child names, so the model's state_dict keys are what the factory built.
+        wrapped = nn.Sequential(OrderedDict([("input", adapter), *children]))
+        if getattr(model, "shardline_stages", False):
+            wrapped.shardline_stages = True
+        return wrapped
+    return nn.Sequential(OrderedDict([("input", adapter), ("model", model)]))
 
-            raise ConfigError(f"model.factory {spec.factory!r} returned {type(model).__name__}, not a torch.nn.Module")
-        return model
-    if spec.kind == "logreg":
-        return nn.Sequential(nn.Linear(spec.num_features, spec.num_outputs))
+
+def _build_factory(spec: ModelSpec):
+    import torch.nn as nn
+
+    from pipeline.errors import ConfigError
+    from pipeline.models.inputs import NumericInput
+
+    factory = _resolve_factory(spec.factory)
+    features = spec.feature_set
+    classic = _is_classic(factory)
+    if classic:
+        if not features.only_numeric:
+            others = [f"{f.name} ({f.type})" for f in features if f.type != "numeric"]
+            raise ConfigError(
+                f"model.factory {spec.factory!r} takes num_features (the classic form: one float tensor of the "
+                f"numeric features) but data.features also has {', '.join(others)}; give the factory a "
+                "`features` parameter to receive the FeatureSet, and take the batch dict in forward"
+            )
+        model = factory(num_features=spec.num_features, num_outputs=spec.num_outputs, **spec.factory_kwargs)
+    else:
+        model = factory(features=features, num_outputs=spec.num_outputs, **spec.factory_kwargs)
+    stages = isinstance(model, (list, tuple)) and bool(model) and all(isinstance(m, nn.Module) for m in model)
+    if not (stages or isinstance(model, nn.Module)):
+        raise ConfigError(f"model.factory {spec.factory!r} returned {type(model).__name__}, not a torch.nn.Module")
+    if classic:
+        return _with_input(model, NumericInput())
+    if stages:
+        model = nn.Sequential(*model)
+        model.shardline_stages = True
+    return model
+
+
+def head_layers(width: int, spec: ModelSpec) -> list:
+    """The MLP head every built-in ends in: model.hidden layers of model.activation (and model.dropout),
+    then a linear layer to the outputs."""
+    import torch.nn as nn
+
     layers: list[nn.Module] = []
-    width = spec.num_features
     for hidden in spec.hidden:
         layers += [nn.Linear(width, hidden), getattr(nn, _ACTIVATIONS[spec.activation])()]
         if spec.dropout:
             layers.append(nn.Dropout(spec.dropout))
         width = hidden
     layers.append(nn.Linear(width, spec.num_outputs))
-    return nn.Sequential(*layers)
+    return layers
+
+
+def build_model(spec: ModelSpec):
+    """A fresh torch module for `spec`, whose forward takes the batch dict. Built-ins are an
+    nn.Sequential whose first child (named ``input``) is an input adapter from pipeline.models.inputs,
+    then layers named 0, 1, ...; plain torch modules, so the exported model loads without our code."""
+    import torch.nn as nn
+
+    from pipeline.errors import ConfigError
+
+    if spec.kind == "factory":
+        return _build_factory(spec)
+    if spec.kind == "cnn":
+        from pipeline.models.cnn import build_cnn
+
+        return build_cnn(spec.feature_set, lambda width: head_layers(width, spec))
+    if spec.kind not in ("mlp", "tabular", "logreg"):
+        raise ConfigError(f"model.kind {spec.kind!r} is not one of mlp, tabular, logreg, cnn")
+    from pipeline.models.inputs import TabularInput
+
+    adapter = TabularInput(spec.feature_set)
+    if spec.kind == "logreg":
+        layers = [nn.Linear(adapter.out_features, spec.num_outputs)]
+    else:
+        layers = head_layers(adapter.out_features, spec)
+    return nn.Sequential(OrderedDict([("input", adapter)] + [(str(i), m) for i, m in enumerate(layers)]))
 
 
 def model_from_flat(spec: dict, parameters):

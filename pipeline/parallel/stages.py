@@ -4,6 +4,11 @@ A stage is a contiguous run of an ``nn.Sequential``'s children. Because ``Sequen
 yields parameters layer by layer, concatenating the stages' flat parameters in stage order gives exactly
 ``flat_parameters(model)``: each stage owns one contiguous slice of the vector the parameter server
 stores, so the PS layout does not change when a model is pipelined.
+
+A leading parameter-less input adapter (a child with ``shardline_input = True``, pipeline.models.inputs)
+is not a layer here: layer index 0 is the child after it, so ``parallelism.cuts`` name the same layers
+as for a model that takes a tensor, and the adapter always runs in stage 0. An adapter with parameters
+(embeddings) is an ordinary layer.
 """
 from __future__ import annotations
 
@@ -34,6 +39,13 @@ def _layers(model_or_layers: Layers) -> list[nn.Module]:
         f"{type(model_or_layers).__name__}; use a built-in model, make model.factory return an "
         "nn.Sequential (or a list of stage modules), or set parallelism.pipeline: 1"
     )
+
+
+def _adapter_count(layers: Sequence[nn.Module]) -> int:
+    """1 when the first layer is a parameter-less input adapter (kept out of the layer count), else 0."""
+    if layers and getattr(layers[0], "shardline_input", False) and not num_parameters(layers[0]):
+        return 1
+    return 0
 
 
 def _check_stages(stages: int, parameterised: int) -> None:
@@ -113,9 +125,11 @@ def cut_points(model_or_layers: Layers, stages: int, cuts: Optional[Sequence[int
     With ``cuts`` given they are validated and returned. Otherwise the cut balances parameter counts:
     it minimises the largest stage's count, and parameterless layers (activations, dropout) stay with
     the layer before them, so a stage never starts with a ReLU. Errors are ConfigError naming
-    ``parallelism.cuts`` / ``parallelism.pipeline``.
+    ``parallelism.cuts`` / ``parallelism.pipeline``. Indices do not count a leading parameter-less
+    input adapter (see the module docstring).
     """
     layers = _layers(model_or_layers)
+    layers = layers[_adapter_count(layers):]
     counts = [num_parameters(layer) for layer in layers]
     _check_stages(stages, sum(1 for c in counts if c))
     if cuts is not None:
@@ -137,8 +151,12 @@ def split_stages(model: Union[nn.Module, Sequence[nn.Module]], stages: int,
 
     ``model`` is an ``nn.Sequential`` (cut by :func:`cut_points`; each stage is an ``nn.Sequential``
     keeping the original child names) or a list/tuple of stage modules from a user factory, returned
-    as they are (then ``stages`` must equal its length and ``cuts`` must be unset).
+    as they are (then ``stages`` must equal its length and ``cuts`` must be unset). Either way a leading
+    parameter-less input adapter runs first in stage 0.
     """
+    if isinstance(model, (list, tuple)) and _adapter_count(model):
+        stages_list = split_stages(list(model[1:]), stages, cuts)
+        return [nn.Sequential(OrderedDict([("input", model[0]), ("0", stages_list[0])]))] + stages_list[1:]
     if isinstance(model, (list, tuple)):
         _check_stages(stages, len(model))
         if len(model) != stages:
@@ -156,10 +174,11 @@ def split_stages(model: Union[nn.Module, Sequence[nn.Module]], stages: int,
         return list(model)
     starts = cut_points(model, stages, cuts)
     named = list(model.named_children())
-    bounds = [0] + starts + [len(named)]
+    offset = _adapter_count([m for _, m in named])
+    bounds = [0] + [start + offset for start in starts] + [len(named)]
     out = [nn.Sequential(OrderedDict(named[a:b])) for a, b in zip(bounds, bounds[1:])]
     logger.debug("cut %s layers into %s stages at %s (parameters per stage: %s)",
-                 len(named), stages, starts, [num_parameters(s) for s in out])
+                 len(named) - offset, stages, starts, [num_parameters(s) for s in out])
     return out
 
 

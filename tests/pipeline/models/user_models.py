@@ -41,3 +41,30 @@ def rejecting_stages(num_features: int, num_outputs: int):
     """Two pipeline stages; the second raises on the activations it receives."""
     return [nn.Sequential(nn.Linear(num_features, 8), nn.ReLU()),
             nn.Sequential(nn.Linear(8, num_outputs), _RejectsInput())]
+
+
+class _FirstFeatureHead(nn.Module):
+    """A dict-taking model: a linear layer over the numeric block and one vector feature."""
+
+    def __init__(self, features, num_outputs: int):
+        super().__init__()
+        self.features = features
+        self.vector = features.of_type("vector")[0].name
+        width = features.numeric_width + features[self.vector].length
+        self.linear = nn.Linear(width, num_outputs)
+
+    def forward(self, batch):
+        import torch
+
+        return self.linear(torch.cat([batch["numeric"], batch[self.vector]], dim=1))
+
+
+def dict_model(features, num_outputs: int, scale: int = 1):
+    """The current factory form: gets the FeatureSet, returns a module taking the batch dict."""
+    model = _FirstFeatureHead(features, num_outputs)
+    model.scale = scale
+    return model
+
+
+def dict_not_a_module(features, num_outputs: int):
+    return [1, 2]
