@@ -1,7 +1,9 @@
 """The layout under `cfg.workdir`, in one place: `Workdir.of(cfg)` names every folder a run reads or writes.
 
     <workdir>/raw/digits                        landed digits (data.source=digits; data.path overrides)
+    <workdir>/raw/digits_images                 landed digits as PNG bytes (data.source=digits_images; data.path overrides)
     <workdir>/raw/synthetic-<spec>              landed synthetic data (data.source=synthetic; data.path overrides)
+    <workdir>/raw/clicks-<spec>                 landed synthetic click log (data.source=clicks; data.path overrides)
     <workdir>/shards/<name>                     the shard set (data.shards_dir overrides)
     <workdir>/shards/<name>/<column>=<value>    one workflow partition's shard set
     <workdir>/models/<name>                     the last trained model (model.pt, last_run.json)
@@ -11,7 +13,7 @@
     <workdir>/spark_ml/<name>/input             ShardlineEstimator's Parquet copy of the fitted frame
     .<folder>.staging-<hex12>                   a shard set or synthetic data being written (hidden_sibling)
     .<folder>.retired-<hex12>                   the shard set being replaced, until the new one is in place
-    .digits.tmp-<hex8>                          the digits being landed
+    .digits.tmp-<hex8>                          the digits (or digits_images) being landed
 
 Every path is exactly what the modules computed before this one existed, since existing workdirs and
 their state files name them: so the workdir as written is kept (`path`), and each path is derived the way
@@ -49,6 +51,20 @@ def raw_synthetic(data: DataConfig, workdir: str | os.PathLike) -> Path:
     s = data.synthetic
     kind = f"c{s.classes}" if data.task == "classification" else "regression"
     return Path(workdir) / "raw" / f"synthetic-{s.rows}x{s.features}-{kind}-s{s.seed}"
+
+
+def raw_digits_images(data: DataConfig, workdir: str | os.PathLike) -> Path:
+    """Where the digits_images source (the digits as PNG bytes) is landed."""
+    return Path(data.path) if data.path else Path(workdir) / "raw" / "digits_images"
+
+
+def raw_clicks(data: DataConfig, workdir: str | os.PathLike) -> Path:
+    """Where the clicks source is landed. The name carries the shape and seed; the rest of the spec
+    (vocabularies, skew, nulls) is checked against the folder's spec file, which regenerates it in place."""
+    if data.path:
+        return Path(data.path)
+    c = data.clicks
+    return Path(workdir) / "raw" / f"clicks-{c.rows}x{c.numeric}n{c.categorical}c-s{c.seed}"
 
 
 def tracking_db(workdir: str | os.PathLike) -> Path:
@@ -114,6 +130,14 @@ class Workdir:
     @property
     def raw_synthetic(self) -> Path:
         return raw_synthetic(self.data, self.path)
+
+    @property
+    def raw_digits_images(self) -> Path:
+        return raw_digits_images(self.data, self.path)
+
+    @property
+    def raw_clicks(self) -> Path:
+        return raw_clicks(self.data, self.path)
 
     @property
     def shards(self) -> Path:

@@ -44,33 +44,40 @@ def synthetic_raw_path(data: DataConfig, workdir: str) -> Path:
     return raw_synthetic(data, workdir)
 
 
-def generate(spark, data: DataConfig, workdir: str, force: bool = False) -> Path:
-    """Land the configured synthetic data set (once per spec) and return its folder."""
-    from udfs.synthetic import make_generate_fn, output_schema_ddl
-
-    target = synthetic_raw_path(data, workdir).absolute()
-    spec = _spec(data)
-    marker = target / SPEC_FILE
+def land_generated(frame, target: Path, spec: dict, spec_file: str = SPEC_FILE, force: bool = False) -> bool:
+    """Write `frame` (a lazily generated DataFrame) as Parquet to `target` unless target already holds this
+    spec; True when it wrote. Staged in a hidden sibling and renamed into place when complete, with the
+    spec beside it, so a changed spec or an interrupted run regenerates instead of reusing."""
+    marker = target / spec_file
     if not force and (target / "_SUCCESS").exists() and marker.exists() and json.loads(marker.read_text()) == spec:
-        log.info("synthetic data already landed in %s", target)
-        return target
-    s = data.synthetic
-    classification = data.task == "classification"
-    partitions = s.partitions or default_parallelism(spark)
-    started = time.perf_counter()
+        log.info("generated data already landed in %s", target)
+        return False
     staging = hidden_sibling(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        frame = spark.range(0, s.rows, numPartitions=partitions).mapInArrow(
-            make_generate_fn(s.features, s.classes, s.teacher_hidden, s.noise, s.seed, classification),
-            output_schema_ddl(s.features, classification))
         frame.write.mode("errorifexists").parquet(str(staging))
-        (staging / SPEC_FILE).write_text(json.dumps(spec, sort_keys=True))
+        (staging / spec_file).write_text(json.dumps(spec, sort_keys=True))
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("generated %d synthetic rows x %d features (%s) in %s in %.1fs", s.rows, s.features, data.task,
-             target, time.perf_counter() - started)
+    return True
+
+
+def generate(spark, data: DataConfig, workdir: str, force: bool = False) -> Path:
+    """Land the configured synthetic data set (once per spec) and return its folder."""
+    from udfs.synthetic import make_generate_fn, output_schema_ddl
+
+    target = synthetic_raw_path(data, workdir).absolute()
+    s = data.synthetic
+    classification = data.task == "classification"
+    partitions = s.partitions or default_parallelism(spark)
+    started = time.perf_counter()
+    frame = spark.range(0, s.rows, numPartitions=partitions).mapInArrow(
+        make_generate_fn(s.features, s.classes, s.teacher_hidden, s.noise, s.seed, classification),
+        output_schema_ddl(s.features, classification))
+    if land_generated(frame, target, _spec(data), force=force):
+        log.info("generated %d synthetic rows x %d features (%s) in %s in %.1fs", s.rows, s.features, data.task,
+                 target, time.perf_counter() - started)
     return target
