@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline.config.features import is_plain
 from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, DataError
@@ -46,6 +47,7 @@ class WorkflowState:
     stds: Optional[list] = None
     labels: Optional[list] = None
     trained_on: Optional[str] = None  # key of the partition set the last model saw
+    fitted_by: Optional[str] = None  # typed features: the shard set whose fit (vocabularies, statistics) is frozen
 
     @classmethod
     def load(cls, folder: Path) -> "WorkflowState":
@@ -55,14 +57,14 @@ class WorkflowState:
         try:
             data = json.loads(path.read_text())
             return cls(path, data["partitions"], data.get("means"), data.get("stds"), data.get("labels"),
-                       data.get("trained_on"))
+                       data.get("trained_on"), data.get("fitted_by"))
         except (ValueError, KeyError, TypeError) as exc:
             raise DataError(f"workflow state {path} is unreadable ({exc}); delete it to reprocess everything") from None
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"partitions": self.partitions, "means": self.means, "stds": self.stds, "labels": self.labels,
-                "trained_on": self.trained_on}
+                "trained_on": self.trained_on, "fitted_by": self.fitted_by}
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".state-", suffix=".json")
         with os.fdopen(fd, "w") as out:
             json.dump(data, out, indent=2, sort_keys=True)
@@ -122,9 +124,13 @@ def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
             "path": str(root / f"{column}={value}"), "shards_dir": str(workdir.shard_partition(column, value)),
             "classes": state.labels if state.labels is not None else cfg.data.classes})})
         statistics = (state.means, state.stds) if state.means is not None else None
+        if state.fitted_by is not None:  # typed features: the whole fit of the first partition
+            statistics = load_manifest(state.fitted_by)
         manifest = run_etl(spark, part_cfg, statistics=statistics)
         if state.means is None:  # frozen at the first partition: every later one is scaled and labelled alike
             state.means, state.stds = list(manifest.means), list(manifest.stds)
+            if not is_plain(cfg.data.features):
+                state.fitted_by = manifest.root
             state.labels = list(manifest.label_mapping) if manifest.label_mapping is not None else None
         state.partitions[value] = {"fingerprint": found[value], "rows": manifest.etl_report.get("output_rows"),
                                    "shards": manifest.root}

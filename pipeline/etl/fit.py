@@ -64,14 +64,16 @@ def _vocab_rows(profiled, entries, counted: list[int]):
     return vocab, {entries[i].name: distinct.get(i, 0) for i in counted}
 
 
-def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, str]) -> Profiles:
-    """Run the profile pass (udfs/typed_profile.py) once, cached, and merge its rows."""
+def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, str],
+                   count_values: bool = True) -> Profiles:
+    """Run the profile pass (udfs/typed_profile.py) once, cached, and merge its rows. count_values=False
+    skips the value counts (a frozen fit needs no vocabulary)."""
     import numpy as np
 
     from udfs.profile import merge_moments
     from udfs.typed_profile import OUTPUT_DDL, make_typed_profile_fn
 
-    counted = _counted(entries)
+    counted = _counted(entries) if count_values else []
     specs = [_raw_spec(e, source_types) for e in entries]
     fn = make_typed_profile_fn(specs, counted, data.label, SPLIT_COLUMN, data.task == "regression",
                                data.task == "classification" and allowed is None, MAX_CLASSES, allowed)

@@ -110,19 +110,27 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
     from pipeline.shards.write import write_shards
 
     data = cfg.data
-    if statistics is not None:
-        raise ConfigError("the incremental workflow's frozen statistics cover numeric features only; with typed "
-                          "data.features run the workflow without workflow.freeze_statistics")
+    if statistics is not None and not isinstance(statistics, Manifest):
+        raise ConfigError("frozen statistics for typed data.features are the shard set that fitted them (a "
+                          "Manifest), not numeric means/stds")
     entries = as_entries(list(data.features))
+    if statistics is not None and [f.name for f in statistics.feature_set] != [e.name for e in entries]:
+        raise DataError(f"the frozen fit of {statistics.root} covers features {[f.name for f in statistics.feature_set]}, "
+                        f"this input declares {[e.name for e in entries]}; the source's columns changed: start a "
+                        "new workflow state")
     df, source_types = cast_columns(selected, entries, data)
     names = [e.name for e in entries]
     df = assign_split(df, [id_column] if id_column else names + [data.label], data.split)
     regression = data.task == "regression"
     allowed = None if classes is None else {data.label: value_set(classes, numeric_labels)}
     with input_errors(data):
-        profiles = merge_profiles(spark, df, entries, data, allowed, source_types)
+        profiles = merge_profiles(spark, df, entries, data, allowed, source_types, count_values=statistics is None)
         report = profile_report(profiles, data, entries)
-        specs, vocabularies = fit_features(spark, df, profiles, entries, data, source_types)
+        if statistics is None:
+            specs, vocabularies = fit_features(spark, df, profiles, entries, data, source_types)
+        else:  # the incremental workflow's later partitions: preprocessed exactly as the first
+            specs = list(statistics.feature_set)
+            vocabularies = {f.vocabulary: statistics.vocabulary(f.name).to_pylist() for f in specs if f.vocabulary}
     log.info("profile + fit: %d rows, %d features in %.1fs", report.input_rows, len(specs), time.perf_counter() - started)
     totals = profiles.totals
     labels = None

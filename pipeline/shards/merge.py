@@ -22,7 +22,7 @@ def merge_manifests(parts: Sequence[Manifest], root: str | os.PathLike, name: st
     root = Path(root).absolute()
     first = parts[0]
     for part in parts[1:]:
-        for field in ("task", "feature_columns", "label_mapping", "means", "stds", "standardized"):
+        for field in ("task", "feature_columns", "label_mapping", "means", "stds", "standardized", "features"):
             if getattr(part, field) != getattr(first, field):
                 raise ManifestError(f"shard set {part.root} differs from {first.root} in {field}; the "
                                     "partitions of one workflow must share features, labels and statistics")
@@ -40,7 +40,11 @@ def merge_manifests(parts: Sequence[Manifest], root: str | os.PathLike, name: st
             shards.append(Shard(index=index, rows=sum(f.rows for f in files), files=tuple(files)))
         splits[split] = SplitShards(rows=sum(s.rows for s in shards), shards=tuple(shards))
     digest = hashlib.sha256("".join(sorted(p.fingerprint for p in parts)).encode()).hexdigest()
+    # Vocabulary files stay in the first part (every part holds the same, frozen at the first partition).
+    base = Path(first.root).absolute().relative_to(root)
+    features = tuple({**f, "vocabulary": str(base / f["vocabulary"])} if f.get("vocabulary") else f
+                     for f in first.features)
     merged = dataclasses.replace(first, name=name, splits=splits, fingerprint=f"sha256:{digest}",
-                                 etl_report={"parts": [p.root for p in parts]}, root=str(root))
+                                 etl_report={"parts": [p.root for p in parts]}, root=str(root), features=features)
     merged.write(root)
     return merged

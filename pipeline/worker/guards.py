@@ -73,9 +73,16 @@ def model_input_error(exc: Exception, spec: ModelSpec, *, rank: int, step: int, 
     return ModelInputError(
         f"rank {rank}{where}: the model raised on its input batch at step {step} (epoch {epoch}): "
         f"{type(exc).__name__}: {exc}; batch {inputs}; {describe_model(spec)} ({spec.task}, "
-        f"num_features={spec.num_features}, num_outputs={spec.num_outputs}); fix the model so it takes "
-        f"[rows, {spec.num_features}] float32 features and its output suits the {spec.task} loss, or check "
-        "data.features_field / data.label_field and the shards' columns")
+        f"features {_feature_summary(spec)}, num_outputs={spec.num_outputs}); fix the model so its forward "
+        f"takes the batch dict (keys {spec.feature_set.batch_keys()}) and its output suits the {spec.task} "
+        "loss, or check data.features and the shards' columns")
+
+
+def _feature_summary(spec: ModelSpec) -> str:
+    features = spec.feature_set
+    parts = [f"numeric[{features.numeric_width}]"] if features.numeric else []
+    parts += [f"{f.name}:{f.type}" for f in features if f.type != "numeric"]
+    return "{" + ", ".join(parts) + "}"
 
 
 def batch_inputs(features=None, labels=None, *, received: Optional[str] = None) -> str:

@@ -159,7 +159,8 @@ def test_a_model_raising_on_its_batch_raises_model_input_error(tmp_path):
     assert isinstance(error, ModelInputError), errors
     text = str(error)
     assert "rank 0" in text and "step 0" in text
-    assert "features (16, 4) float32" in text and "labels (16,) int64" in text
+    assert "features {numeric: (16, 4) float32}" in text and "labels (16,) int64" in text
+    assert "numeric[4]" in text and "batch dict" in text
     assert "model.factory='user_models:rejecting_mlp'" in text
     assert "expected 7 input features, got 2" in text and "fix the model" in text
     assert isinstance(error.__cause__, ValueError)

@@ -153,7 +153,7 @@ def test_a_factory_returning_stage_modules_is_cut_exactly_there(monkeypatch):
     spec = ModelSpec(kind="factory", num_features=4, num_outputs=3, task="classification", factory="x:y")
     model = build_model(spec)
     stages = model_stages(model, 2)
-    assert [len(s) for s in stages] == [4, 1]
+    assert [len(s) for s in stages] == [2, 1]  # stage 0: the input adapter + the first stage module
     assert torch.equal(torch.cat([flat_parameters(s) for s in stages]), flat_parameters(model))
     x = torch.randn(5, 4)
     assert torch.equal(stages[1](stages[0](x)), model(x))  # the whole model is the stages composed
