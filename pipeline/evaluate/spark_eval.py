@@ -43,6 +43,8 @@ def _broadcast(spark, value):
 def _make_partials_fn(spec_dict: dict, weights, features_field: str, label_field: str,
                       num_features: int, num_classes: int | None):
     def score(batches):
+        import warnings
+
         import pyarrow as pa
         import torch
 
@@ -62,7 +64,10 @@ def _make_partials_fn(spec_dict: dict, weights, features_field: str, label_field
                 table = pa.Table.from_batches([batch])
                 x = feature_arrays(table, features, features_field, "the evaluated split", 0, num_features)
                 y = batch.column(label_field).to_numpy(zero_copy_only=False)
-                out = model({key: torch.from_numpy(np.ascontiguousarray(v)) for key, v in x.items()}).numpy()
+                with warnings.catch_warnings():  # Arrow buffers are read-only; the model only reads them
+                    warnings.simplefilter("ignore", UserWarning)
+                    inputs = {key: torch.from_numpy(np.ascontiguousarray(v)) for key, v in x.items()}
+                out = model(inputs).numpy()
                 part = (classification_partials(out, y.astype(np.int64), num_classes) if num_classes
                         else regression_partials(out.reshape(-1), y.astype(np.float64)))
                 total = part if total is None else total + part
