@@ -68,3 +68,30 @@ def dict_model(features, num_outputs: int, scale: int = 1):
 
 def dict_not_a_module(features, num_outputs: int):
     return [1, 2]
+
+
+def embeddings_and_conv(features, num_outputs, width=16):
+    """A dict-taking factory: an embedding per categorical feature plus a conv tower over the image feature,
+    the numeric block alongside, then a linear head (the form `model.factory` may return)."""
+    import torch
+    import torch.nn as nn
+
+    class EmbeddingsAndConv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.categorical = [f.name for f in features.of_type("categorical")]
+            self.image = features.of_type("image")[0]
+            self.embeddings = nn.ModuleDict({name: nn.Embedding(features[name].cardinality, 4)
+                                             for name in self.categorical})
+            self.conv = nn.Sequential(nn.Conv2d(self.image.channels, width, 3, padding=1), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+            inputs = 4 * len(self.categorical) + width + features.numeric_width
+            self.head = nn.Sequential(nn.Linear(inputs, 32), nn.ReLU(), nn.Linear(32, num_outputs))
+
+        def forward(self, batch):
+            pixels = batch[self.image.name].float() / 255.0
+            parts = [self.embeddings[name](batch[name]) for name in self.categorical]
+            parts += [self.conv(pixels), batch["numeric"]]
+            return self.head(torch.cat(parts, dim=1))
+
+    return EmbeddingsAndConv()
