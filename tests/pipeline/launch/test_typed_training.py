@@ -55,3 +55,18 @@ def test_a_factory_taking_the_dict_trains(spark, typed, user_models, backend):
     assert [r["rank"] for r in result.ranks] == [0, 1]
     metrics = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics
     assert metrics["accuracy"] >= 0.9, metrics
+
+
+def test_pipeline_stages_take_the_dict_in_the_first_stage(spark, conf_dir, tmp_path):
+    """parallelism.pipeline=2: stage 0 holds the input adapter (its embeddings) and reads the batch dict,
+    stage 1 gets activations and the labels."""
+    source = write_typed_source(tmp_path / "src", rows=300)
+    cfg = with_changes(typed_config(conf_dir, tmp_path, source, name="typed-pp"),
+                       parallelism={"data": 1, "pipeline": 2, "micro_batches": 2},
+                       train={"epochs": 6, "optimizer": "adam", "lr": 0.01}, ps={"timeout_s": 30})
+    manifest = run_etl(spark, cfg)
+    result = train(spark, cfg, manifest)
+    assert result.ps_stats["stages"] == 2
+    assert result.history[-1]["stage0/bytes_sent"] > 0  # stage 0 ran the dict batch and sent activations
+    metrics = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics
+    assert metrics["accuracy"] >= 0.85, metrics
