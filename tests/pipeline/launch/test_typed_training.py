@@ -70,3 +70,13 @@ def test_pipeline_stages_take_the_dict_in_the_first_stage(spark, conf_dir, tmp_p
     assert result.history[-1]["stage0/bytes_sent"] > 0  # stage 0 ran the dict batch and sent activations
     metrics = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics
     assert metrics["accuracy"] >= 0.85, metrics
+
+
+def test_resume_continues_a_typed_run_from_its_checkpoint(spark, typed):
+    cfg, manifest = typed
+    short = with_changes(cfg, name="typed-resume", train={"epochs": 2})
+    first = train(spark, short, manifest)
+    resumed = train(spark, with_changes(short, train={"epochs": 4}), manifest, resume=True)
+    assert resumed.resumed_from_step == first.steps
+    assert resumed.steps == 2 * first.steps
+    assert resumed.spec == first.spec  # the same fitted features, embeddings and all
