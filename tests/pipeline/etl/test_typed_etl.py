@@ -111,3 +111,23 @@ def test_manifest_records_the_fit_in_its_fingerprint(spark, conf_dir, tmp_path):
     assert other.fingerprint != first.fingerprint
     stored = json.loads(open(os.path.join(first.root, "manifest.json")).read())
     assert stored["features"][1]["vocabulary"] == "vocab/city.parquet"
+
+
+def test_a_frozen_fit_preprocesses_later_partitions_alike_and_merges(spark, conf_dir, tmp_path):
+    """The incremental workflow's later partitions reuse the first one's fit; the merged set reads the
+    vocabularies from the first part."""
+    from pipeline.shards.merge import merge_manifests
+
+    first = run_etl(spark, _cfg(conf_dir, tmp_path, _write_source(tmp_path / "a", rows=300, seed=1),
+                                shards_dir=str(tmp_path / "sets" / "p=a")))
+    later = run_etl(spark, _cfg(conf_dir, tmp_path, _write_source(tmp_path / "b", rows=300, seed=2),
+                                shards_dir=str(tmp_path / "sets" / "p=b")), statistics=first)
+    assert later.features == first.features  # statistics, vocabularies, hash buckets: all frozen
+    assert later.vocabulary("city").to_pylist() == first.vocabulary("city").to_pylist()
+    merged = merge_manifests([first, later], tmp_path / "sets", "merged")
+    assert merged.vocabulary("title").to_pylist() == first.vocabulary("title").to_pylist()
+    inputs, labels = read_tensors(merged.files("train"), features=merged.feature_set)
+    assert len(labels) == first.split("train").rows + later.split("train").rows
+    with pytest.raises(DataError, match="frozen fit"):
+        run_etl(spark, _cfg(conf_dir, tmp_path, str(tmp_path / "b"), FEATURES[:2],
+                            shards_dir=str(tmp_path / "sets" / "p=c")), statistics=first)
