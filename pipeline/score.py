@@ -1,17 +1,21 @@
 """Batch scoring with a tracked model: `shardline score --model models:/NAME@champion --input ... --output ...`.
 
 The model URI is resolved through the registry to its training run, whose artifacts hold everything needed:
-`shardline/model.pt` (the ModelSpec + flat fp32 parameters) and `data/manifest.json` (the feature columns,
-the train-split means/stds the ETL standardized with, and the label mapping). The input (a Parquet path or
-a table name, any size) is read by Spark; the manifest's feature columns are selected and cast to double;
-one Arrow UDF (udfs/score.py) per partition flags rows with null/NaN/inf features, standardizes the rest
-exactly as the ETL did, runs batched inference with a model built once per Python worker, and maps class
-indices back to the original label values. Predictions are written as Parquet to a hidden staging folder
-next to the output and renamed into place, so a reader never sees a half-written output.
+`shardline/model.pt` (the ModelSpec + flat fp32 parameters), `data/manifest.json` (the fitted features:
+FeatureSpecs with the train-split statistics, and the label mapping) and `data/vocab/<feature>.parquet`
+(the vocabularies of categorical/text features). The input (a Parquet path or a table name, any size) is
+read by Spark and the RAW source column of each feature selected: numbers cast to double (text
+try_cast), categoricals as string/integer, images as binary (or path strings), vectors and Spark ML
+Vectors as array<double>, text as strings or token arrays; a column of another type is a DataError
+naming it. One Arrow UDF (udfs/score.py) per partition applies udfs.transforms.Transform, the ETL's own
+preprocessing, runs batched inference with a model built once per Python worker, and maps class indices
+back to the original label values. Predictions are written as Parquet to a hidden staging folder next to
+the output and renamed into place, so a reader never sees a half-written output.
 
-Invalid rows follow `score.invalid_rows`: drop (left out, counted per column), reject (a pre-pass counts
-them and fails before anything is written), keep_null (written with null predictions, counted). They are
-never scored.
+Invalid rows (what the Transform refuses: a missing numeric value that is not imputed, a vector of
+another length, bytes that are not an image) follow `score.invalid_rows`: drop (left out, counted per
+column), reject (a pre-pass counts them and fails before anything is written), keep_null (written with
+null predictions, counted). They are never scored.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MODEL_ARTIFACT = "shardline/model.pt"  # written by pipeline.steps._train_into (MODEL_ARTIFACT_DIR)
 MANIFEST_ARTIFACT = f"data/{MANIFEST_NAME}"
+VOCAB_ARTIFACT = "data/vocab/{}.parquet"  # written by TrackedRun.log_manifest / log_vocabularies
 
 
 @dataclass
@@ -58,12 +63,14 @@ class ScoreResult:
 
 @dataclass
 class ScoringModel:
-    """What the UDF needs, as plain values: spec dict, parameter bytes, and the manifest's preprocessing."""
+    """What the UDF needs, as plain values: spec dict, parameter bytes, the manifest's preprocessing and
+    the vocabularies (feature name -> Arrow string array)."""
     spec: dict[str, Any]
     parameters: bytes
     manifest: Manifest
     run_id: str
     version: str = ""
+    vocabularies: dict[str, Any] = field(default_factory=dict)
 
     @property
     def digest(self) -> str:
@@ -79,7 +86,8 @@ def _tracking_uri(cfg: PipelineConfig) -> str:
 
 
 def load_scoring_model(cfg: PipelineConfig, model_uri: str) -> ScoringModel:
-    """Resolve `model_uri` to its training run and load model.pt + the manifest from its artifacts."""
+    """Resolve `model_uri` to its training run and load model.pt, the manifest and its vocabularies."""
+    import pyarrow.parquet as pq
     import torch
 
     from pipeline.models import ModelSpec
@@ -97,12 +105,28 @@ def load_scoring_model(cfg: PipelineConfig, model_uri: str) -> ScoringModel:
                 from None
         state = torch.load(model_path, weights_only=True)
         manifest = _manifest_without_files(Path(manifest_path).parent)
+        vocabularies = {}
+        for feature in manifest.feature_set:
+            if not feature.vocabulary or feature.hash_buckets:
+                continue
+            artifact = VOCAB_ARTIFACT.format(feature.name)
+            try:
+                path = download(uri, version.run_id, artifact, os.path.join(tmp, "vocab", feature.name))
+            except Exception as exc:
+                raise ShardlineError(f"{model_uri} (run {version.run_id}) lacks {artifact}, the vocabulary of "
+                                     f"feature {feature.name!r} ({exc}); log it with TrackedRun.log_manifest") \
+                    from None
+            vocabularies[feature.name] = pq.read_table(path, columns=["value"]).column("value").combine_chunks()
     spec = ModelSpec.from_dict(state["spec"])
     parameters = state["parameters"].detach().cpu().to(torch.float32).contiguous().numpy().tobytes()
-    if spec.num_features != manifest.num_features:
-        raise ShardlineError(f"{model_uri}: the model takes {spec.num_features} features but its manifest lists "
-                             f"{manifest.num_features}; the run's artifacts are inconsistent")
-    return ScoringModel(spec.to_dict(), parameters, manifest, version.run_id, version.version)
+    features = manifest.feature_set
+    if spec.num_features != features.numeric_width:
+        raise ShardlineError(f"{model_uri}: the model takes {spec.num_features} numeric inputs but its manifest's "
+                             f"features make {features.numeric_width}; the run's artifacts are inconsistent")
+    if spec.features and [f["name"] for f in spec.features] != [f.name for f in features]:
+        raise ShardlineError(f"{model_uri}: the model was built for features {[f['name'] for f in spec.features]}, "
+                             f"its manifest lists {[f.name for f in features]}; the run's artifacts are inconsistent")
+    return ScoringModel(spec.to_dict(), parameters, manifest, version.run_id, version.version, vocabularies)
 
 
 def _manifest_without_files(folder: Path) -> Manifest:
@@ -147,34 +171,39 @@ def _quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def _prepare(df, features: list[str], keep: list[str], source: str):
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import NumericType, StringType
+def _feature_column(df, spec, source: str):
+    """The Spark column the Transform reads for feature `spec`, or a DataError naming the column, its type
+    and what the feature needs."""
+    from udfs.score import spark_input
 
-    missing = [c for c in features if c not in df.columns]
+    column, needs = spark_input(df, spec.to_dict())
+    if column is None:
+        raise DataError(f"feature column {spec.name!r} of {source} has type "
+                        f"{df.schema[spec.name].dataType.simpleString()}; the {spec.type} feature {spec.name!r} "
+                        f"needs {needs}")
+    return column
+
+
+def _prepare(df, features, keep: list[str], source: str):
+    names = [f.name for f in features]
+    missing = [c for c in names if c not in df.columns]
     if missing:
         raise DataError(f"score input {source} lacks {len(missing)} of the model's feature columns: {missing} "
-                        f"(columns present: {df.columns}); the model was trained on {features}")
+                        f"(columns present: {df.columns}); the model was trained on {names}")
     missing_keep = [c for c in keep if c not in df.columns]
     if missing_keep:
         raise DataError(f"score.keep_columns {missing_keep} are not in the input {source} (columns: {df.columns})")
     clash = [c for c in keep if c in ("prediction", "probability")]
     if clash:
         raise DataError(f"score.keep_columns {clash} clash with the output columns prediction/probability")
-    exprs = [F.col(_quote(c)) for c in keep if c not in features]
-    for c in features:
-        dtype = df.schema[c].dataType
-        if isinstance(dtype, NumericType):
-            exprs.append(F.col(_quote(c)).cast("double").alias(c))
-        elif isinstance(dtype, StringType):  # non-numeric text becomes null: an invalid row
-            exprs.append(F.expr(f"try_cast({_quote(c)} as double)").alias(c))
-        else:
-            raise DataError(f"feature column {c!r} of {source} has type {dtype.simpleString()}, not a number")
-    return df.select(*exprs)
+    from pyspark.sql import functions as F
+
+    exprs = [F.col(_quote(c)) for c in keep if c not in names]
+    return df.select(*exprs, *[_feature_column(df, spec, source) for spec in features])
 
 
 def _invalid_counts(df, features: list[str]) -> tuple[int, dict[str, int]]:
-    """(invalid rows, invalid values per column) by one Spark aggregate (the reject pre-pass)."""
+    """(invalid rows, invalid values per column) of plain numeric features by one Spark aggregate."""
     from pyspark.sql import functions as F
 
     def bad(c):
@@ -188,6 +217,21 @@ def _invalid_counts(df, features: list[str]) -> tuple[int, dict[str, int]]:
         any_bad = bad(c) if any_bad is None else (any_bad | bad(c))
     row = df.agg(F.sum(any_bad.cast("long")).alias("__rows"), *aggs).collect()[0]
     return int(row["__rows"] or 0), {c: int(row[c] or 0) for c in features if row[c]}
+
+
+def _reject_counts(df, model: "ScoringModel") -> tuple[int, dict[str, int]]:
+    """The reject pre-pass: Spark SQL for plain numeric features (no Python), else the Transform itself
+    in a counting UDF (imputation, vector lengths and image decoding have no SQL form)."""
+    features = model.manifest.feature_set
+    plain = [f.name for f in features if f.type == "numeric" and not f.impute]
+    if len(plain) == len(features):
+        return _invalid_counts(df, plain)
+    from udfs.score import make_validity_fn
+
+    fn = make_validity_fn(features.to_list(), model.vocabularies)
+    rows = df.mapInArrow(fn, "rows long, invalid long, by_column array<long>").collect()
+    totals = np.sum([r["by_column"] for r in rows], axis=0) if rows else np.zeros(len(features))
+    return sum(r["invalid"] for r in rows), {f.name: int(n) for f, n in zip(features, totals) if n}
 
 
 class _FS:
@@ -248,18 +292,20 @@ def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -
     started = time.perf_counter()
     model = load_scoring_model(cfg, model_uri)
     manifest = model.manifest
-    features = list(manifest.feature_columns)
+    feature_set = manifest.feature_set
+    features = [f.name for f in feature_set]
     keep = list(dict.fromkeys(sc.keep_columns))
     fs = _FS(spark, output)
     if fs.exists(fs.path) and not sc.overwrite:
         raise ShardlineError(f"score output {output} exists; remove it or set score.overwrite=true")
-    df = _prepare(_read_input(spark, input), features, keep, input)
+    df = _prepare(_read_input(spark, input), feature_set, keep, input)
 
     if sc.invalid_rows == "reject":
-        bad_rows, by_column = _invalid_counts(df, features)
+        bad_rows, by_column = _reject_counts(df, model)
         if bad_rows:
-            raise DataError(f"score.invalid_rows=reject: {bad_rows} rows of {input} have null/NaN/inf features "
-                            f"(per column: {by_column}); nothing was written. Fix the input, or set "
+            raise DataError(f"score.invalid_rows=reject: {bad_rows} rows of {input} have invalid features "
+                            f"(null/NaN/inf numbers, vectors of another length, undecodable images; per column: "
+                            f"{by_column}); nothing was written. Fix the input, or set "
                             "score.invalid_rows=drop (leave them out) or keep_null (write null predictions)")
 
     classification = manifest.task == "classification"
@@ -268,10 +314,8 @@ def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -
                     [f"prediction {label_ddl if classification else 'double'}"] +
                     (["probability array<float>"] if classification and sc.probabilities else []))
     counter = _vector_accumulator(spark, 3 + len(features))
-    fn = make_score_fn(features, model_from_flat, model.spec, model.parameters, model.digest,
-                       manifest.means if manifest.standardized else None,
-                       manifest.stds if manifest.standardized else None,
-                       manifest.task, labels, label_arrow, keep, sc.invalid_rows, sc.batch_size,
+    fn = make_score_fn(feature_set.to_list(), model.vocabularies, model_from_flat, model.spec, model.parameters,
+                       model.digest, manifest.task, labels, label_arrow, keep, sc.invalid_rows, sc.batch_size,
                        sc.threads_per_worker, sc.probabilities, counter)
     staging = fs.sibling("staging")
     try:

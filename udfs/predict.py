@@ -1,61 +1,71 @@
-"""Score a trained model on a float32 feature matrix inside a Spark UDF (ShardlineModel.transform).
+"""Score a trained model inside a Spark UDF (ShardlineModel.transform), preprocessing with the Transform.
 
-Plain values only cross in: the manifest statistics, the label values, the task, and a `build` callable
-that returns the torch module (built once per Python worker and cached under `key`). The wrappers feed
-Arrow batches (pyspark >= 4.1 `arrow_udf`) or pandas batches (the pandas_udf fallback) to the same core.
+Plain values only cross in: the fitted FeatureSpec dicts, the vocabularies (name -> list of values), the
+label values, the task, and a `build` callable that returns the torch module (built once per Python
+worker and cached under `key`). The UDF's input is either the classic single features vector (a list
+column; its entries are the numeric features f0..fN-1) or a struct of the raw input columns, one per
+feature. The wrappers feed Arrow batches (pyspark >= 4.1 `arrow_udf`) or pandas batches (the pandas_udf
+fallback) to the same core; a row the Transform finds invalid gets a null result.
 """
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 # One model per Python worker, shared with batch scoring's cache (Spark reuses workers between tasks).
-from udfs.score import cached_model
+from udfs.score import cached_model, forward
+from udfs.transforms import Transform, take_rows
 
 RESULT_DDL = "struct<prediction:double,probability:array<double>>"
 RESULT_TYPE = pa.struct([("prediction", pa.float64()), ("probability", pa.list_(pa.float64()))])
+BATCH_ROWS = 8192
 
 
-def make_scorer(key: str, build: Callable[[], object], means: Sequence[float], stds: Sequence[float],
-                task: str, label_values: Optional[Sequence[float]]):
-    """(float32 matrix [n, num_features]) -> (predictions float64 [n], probabilities float64 [n, k] or None)."""
-    num_features = len(means)
-    mean = np.asarray(means, dtype=np.float32)
-    inv_std = (1.0 / np.asarray(stds, dtype=np.float64)).astype(np.float32)
+def make_scorer(key: str, build: Callable[[], object], specs: Sequence[Mapping[str, Any]],
+                vocabularies: Mapping[str, Sequence[str]], task: str, label_values: Optional[Sequence[float]]):
+    """(Arrow table of the features' raw columns) -> (predictions float64 [valid rows], probabilities float64
+    [valid rows, k] or None, valid [n])."""
+    transform = Transform(specs, {k: pa.array(list(v), pa.string()) for k, v in vocabularies.items()})
     values = None if label_values is None else np.asarray(label_values, dtype=np.float64)
+    classification = task == "classification"
 
-    def score(x: np.ndarray):
-        import torch
-
-        if x.ndim != 2 or x.shape[1] != num_features:
-            raise ValueError(f"the features vectors have {x.shape[-1] if x.ndim == 2 else '?'} values, the "
-                             f"model was trained on {num_features}")
+    def score(table):
         model = cached_model(key, build)
-        z = np.ascontiguousarray((x - mean) * inv_std, dtype=np.float32)
-        with torch.no_grad():
-            out = model(torch.from_numpy(z))
-            if task == "classification":
-                prob = torch.softmax(out, dim=1).numpy().astype(np.float64)
-                index = prob.argmax(axis=1)
-                return (values[index] if values is not None else index.astype(np.float64)), prob
-            return out.reshape(-1).numpy().astype(np.float64), None
+        arrays, valid, _, _ = transform.apply(table)
+        if not valid.all():
+            arrays = take_rows(arrays, valid)
+        index, prob = forward(model, arrays, BATCH_ROWS, classification, probabilities=classification)
+        if not classification:
+            return index, None, valid
+        prob = prob.astype(np.float64) if prob is not None else np.zeros((0, 0))
+        return (values[index] if values is not None else index.astype(np.float64)), prob, valid
 
     return score
 
 
-def _matrix_from_arrow(column: pa.Array, num_features: int):
-    """A list<float> Arrow column -> (float32 matrix of the non-null rows, validity mask)."""
+def classic_table(column: pa.Array, names: Sequence[str]) -> pa.Table:
+    """A list<double> column of features vectors as a table of one float column per numeric feature (a
+    null vector: nulls, an invalid row). A vector of another length is an error: the input is not what
+    the model was trained on."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
+    width = len(names)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     present = column.filter(pa.array(valid)) if not valid.all() else column
     lengths = pc.list_value_length(present).to_numpy(zero_copy_only=False)
-    if len(lengths) and (lengths != num_features).any():
-        bad = int(lengths[lengths != num_features][0])
-        raise ValueError(f"a features vector has {bad} values, the model was trained on {num_features}")
-    flat = present.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-    return flat.reshape(-1, num_features), valid
+    if len(lengths) and (lengths != width).any():
+        bad = int(lengths[lengths != width][0])
+        raise ValueError(f"a features vector has {bad} values, the model was trained on {width}")
+    matrix = np.full((len(column), width), np.nan)
+    matrix[valid] = present.flatten().to_numpy(zero_copy_only=False).astype(np.float64).reshape(-1, width)
+    return pa.table({name: pa.array(matrix[:, j]) for j, name in enumerate(names)})
+
+
+def struct_table(column) -> pa.Table:
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return pa.Table.from_arrays(column.flatten(), names=[f.name for f in column.type])
 
 
 def _result_array(pred: np.ndarray, prob: Optional[np.ndarray], valid: np.ndarray) -> pa.StructArray:
@@ -67,37 +77,48 @@ def _result_array(pred: np.ndarray, prob: Optional[np.ndarray], valid: np.ndarra
     if prob is None:
         probability = pa.nulls(n, pa.list_(pa.float64()))
     else:
-        k = prob.shape[1]
+        k = prob.shape[1] if len(prob) else 0
         rows = np.zeros((n, k), dtype=np.float64)
         rows[valid] = prob
-        offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
+        offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32) if k else np.zeros(n + 1, np.int32))
         probability = pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1)), mask=mask)
     return pa.StructArray.from_arrays([prediction, probability], fields=list(RESULT_TYPE), mask=mask)
 
 
-def make_arrow_predict_fn(scorer, num_features: int):
-    """Iterator[pa.Array] -> Iterator[pa.Array] body for `arrow_udf` (pyspark >= 4.1)."""
+def _table_of(column, classic: Optional[Sequence[str]]) -> pa.Table:
+    return classic_table(column, classic) if classic is not None else struct_table(column)
+
+
+def make_arrow_predict_fn(scorer, classic: Optional[Sequence[str]] = None):
+    """Iterator[pa.Array] -> Iterator[pa.Array] body for `arrow_udf` (pyspark >= 4.1). `classic`: the
+    numeric feature names of a features-vector input; None: the input is a struct of raw columns."""
 
     def predict(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
         for column in batches:
-            x, valid = _matrix_from_arrow(column, num_features)
-            pred, prob = scorer(x) if len(x) else (np.zeros(0), None)
+            pred, prob, valid = scorer(_table_of(column, classic))
             yield _result_array(pred, prob, valid)
 
     return predict
 
 
-def make_pandas_predict_fn(scorer, num_features: int):
-    """Iterator[pd.Series] -> Iterator[pd.DataFrame] body for `pandas_udf` (older pyspark)."""
+def make_pandas_predict_fn(scorer, classic: Optional[Sequence[str]] = None):
+    """Iterator[pd.Series] (classic vectors) or Iterator[pd.DataFrame] (a struct of raw columns) ->
+    Iterator[pd.DataFrame] body for `pandas_udf` (older pyspark), which reads its kind off the hints."""
     import pandas as pd
 
-    def predict(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
-        for series in batches:
-            column = pa.array(list(series), type=pa.list_(pa.float32()), from_pandas=True)
-            x, valid = _matrix_from_arrow(column, num_features)
-            pred, prob = scorer(x) if len(x) else (np.zeros(0), None)
-            result = _result_array(pred, prob, valid)
-            yield pd.DataFrame({"prediction": result.field("prediction").to_pandas(),
-                                "probability": result.field("probability").to_pandas()})
+    def result(table: pa.Table) -> pd.DataFrame:
+        pred, prob, valid = scorer(table)
+        out = _result_array(pred, prob, valid)
+        return pd.DataFrame({"prediction": out.field("prediction").to_pandas(),
+                             "probability": out.field("probability").to_pandas()})
 
-    return predict
+    def predict_vectors(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
+        for series in batches:
+            yield result(classic_table(pa.array(list(series), type=pa.list_(pa.float64()), from_pandas=True),
+                                       classic))
+
+    def predict_columns(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        for frame in batches:
+            yield result(pa.Table.from_pandas(frame, preserve_index=False))
+
+    return predict_vectors if classic is not None else predict_columns

@@ -1,7 +1,6 @@
 """One MLflow run: params, per-epoch metrics, evaluation artifacts, curves and the model."""
 from __future__ import annotations
 
-import copy
 import logging
 import numbers
 import os
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.config.feature_spec import FeatureSet
 from pipeline.errors import ShardlineError
 from pipeline.tracking.params import flatten_params
 from pipeline.tracking.plots import confusion_figure, history_figure, stage_figure
@@ -22,6 +22,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "model"
+DATA_DIR = "data"  # the manifest and vocabularies of the training shard set
+VOCAB_ARTIFACT_DIR = f"{DATA_DIR}/vocab"
+MANIFEST_FILE = "manifest.json"  # pipeline.shards.MANIFEST_NAME; tracking does not import the shards module
 _PARAMS_PER_BATCH = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
 _METRICS_PER_BATCH = 1000  # mlflow.utils.validation.MAX_METRICS_PER_BATCH
 
@@ -175,48 +178,44 @@ class TrackedRun:
             return
         self._client.log_figure(self.run_id, figure, "plots/training_curves.png")
 
-    def log_model(self, model, input_example: np.ndarray, registered_model_name: str | None = None) -> str:
-        """Log ``model`` as the run's ``model`` in torch.export (pt2) format; return its model URI.
+    def log_model(self, model, features: FeatureSet, vocabulary_files: dict[str, str], task: str,
+                  label_values: list[str] | None, input_example, registered_model_name: str | None = None) -> str:
+        """Log ``model`` (whose forward takes the batch dict) as the run's ``model``, a pyfunc that predicts
+        from RAW source rows; return its model URI.
 
-        The graph is traced on CPU in eval mode from ``input_example``; the batch dimension stays dynamic.
-        Loading needs only mlflow and torch, not the code that defined the model.
+        ``features`` is the shard set's FeatureSet (``Manifest.feature_set``), ``vocabulary_files`` its
+        ``Manifest.vocabulary_files()``, ``label_values`` the class values in class-index order
+        (``Manifest.label_mapping``; None for regression) and ``input_example`` a pandas DataFrame of raw
+        source rows (``served.input_example``'s output or Spark's ``toPandas()``; invalid ones are left out,
+        the first 5 valid ones kept). The network is exported on CPU in eval mode, the
+        module's training mode is restored. Loading needs mlflow, torch, numpy, pandas, pyarrow (and
+        pillow for images), never shardline: see pipeline.tracking.served.
         """
-        import mlflow
-        import mlflow.pytorch
-        import torch
-        from mlflow.models import infer_signature
+        from pipeline.tracking.served import log_served_model
 
-        example = np.asarray(input_example)
-        if example.ndim >= 1 and example.shape[0] == 1:
-            # torch.export specializes size-1 dims, which would freeze the batch size at 1.
-            example = np.repeat(example, 2, axis=0)
-        on_cpu = all(t.device.type == "cpu" for t in model.state_dict().values())
-        export_model = model if on_cpu else copy.deepcopy(model).cpu()
-        first = next(export_model.parameters(), None)
-        if example.dtype == np.float64 and first is not None and first.dtype == torch.float32:
-            example = example.astype(np.float32)
-        modes = {module: module.training for module in model.modules()}
-        export_model.eval()
-        try:
-            with torch.no_grad():
-                output = export_model(torch.from_numpy(example))
-            signature = infer_signature(example, output.numpy())
-            mlflow.set_tracking_uri(self.tracking_uri)  # Model.log resolves the store from the global URI
-            info = mlflow.pytorch.log_model(
-                export_model,
-                name=MODEL_NAME,
-                input_example=example,
-                signature=signature,
-                serialization_format="pt2",
-                pip_requirements=[f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"],
-                registered_model_name=registered_model_name,
-                run_id=self.run_id,  # forwarded to Model.log: no reliance on this thread's active run
-            )
-        finally:
-            for module, training in modes.items():  # per module: frozen submodules stay in eval
-                module.training = training
-        logger.info("logged model %s for run %s", info.model_uri, self.run_id)
-        return info.model_uri
+        return log_served_model(self.run_id, self.tracking_uri, model, features, vocabulary_files, task,
+                                label_values, input_example, registered_model_name)
+
+    def log_manifest(self, manifest) -> None:
+        """The shard set's manifest.json as ``data/manifest.json`` and its vocabularies as
+        ``data/vocab/<feature>.parquet``: what ``shardline score`` rebuilds the Transform from."""
+        self.log_file(Path(manifest.root) / MANIFEST_FILE, DATA_DIR)
+        self.log_vocabularies(manifest)
+
+    def log_vocabularies(self, manifest) -> None:
+        """Each vocabulary file of ``manifest`` as ``data/vocab/<feature>.parquet`` (none: nothing)."""
+        import shutil
+        import tempfile
+
+        files = manifest.vocabulary_files()
+        if not files:
+            return
+        with tempfile.TemporaryDirectory(prefix="shardline-vocab-") as tmp:
+            for name, path in files.items():
+                if os.sep in name or name in (".", ".."):
+                    raise TrackingError(f"feature name {name!r} cannot name a vocabulary artifact")
+                shutil.copyfile(path, Path(tmp) / f"{name}.parquet")
+            self._client.log_artifacts(self.run_id, tmp, VOCAB_ARTIFACT_DIR)
 
     def log_file(self, path: str | os.PathLike, artifact_dir: str | None = None) -> None:
         """Upload a local file (e.g. the shard manifest.json) as an artifact, under ``artifact_dir`` if given."""
@@ -259,7 +258,7 @@ def start_run(tracking_uri: str, experiment: str, run_name: str | None = None,
 
     Reopening lets a later step (evaluate after train) log into the run of the step before it.
 
-    Also makes ``tracking_uri`` MLflow's process-wide tracking URI, which ``mlflow.pytorch.log_model``
+    Also makes ``tracking_uri`` MLflow's process-wide tracking URI, which ``Model.log``
     and ``models:/`` URIs rely on. ``system_metrics_interval_s`` samples this machine into the run as
     ``system/*`` metrics from a background thread while it is open.
     """

@@ -159,3 +159,128 @@ def test_pandas_udf_fallback_scores_like_the_arrow_udf(fitted, monkeypatch):
     assert all(arrow[i][0] == pandas[i][0] for i in arrow)
     np.testing.assert_allclose(np.array([pandas[i][1] for i in sorted(arrow)]),
                                np.array([arrow[i][1] for i in sorted(arrow)]), atol=1e-6, rtol=0)
+
+
+# --- raw typed input columns (inputCols) ---------------------------------------------------------------
+
+CITIES = ["paris", "rome", "oslo", "lima", "kyiv", "baku"]
+NORTH = {"oslo", "kyiv", "baku"}
+
+
+@pytest.fixture(scope="module")
+def typed_frame(spark):
+    """days (double; a SQLTransformer stage turns it into age) and city (string): the label is whether the
+    city is northern, flipped past age 50 — learnable only from both inputs together."""
+    import pandas as pd
+
+    rng = np.random.default_rng(3)
+    n = 2400
+    city = np.array(CITIES)[rng.integers(0, len(CITIES), n)]
+    age = rng.uniform(20, 80, n)
+    label = (np.isin(city, list(NORTH)) != (age > 50)).astype(np.float64)
+    frame = pd.DataFrame({"row": np.arange(n, dtype=np.int64), "days": age * 365.25, "city": city, "label": label})
+    return spark.createDataFrame(frame).repartition(2, "row")
+
+
+@pytest.fixture(scope="module")
+def typed_fitted(spark, typed_frame, tmp_path_factory):
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import SQLTransformer
+
+    from pipeline.spark_ml import ShardlineEstimator
+
+    root = tmp_path_factory.mktemp("spark-ml-typed")
+    estimator = ShardlineEstimator(inputCols=["age", "city"], labelCol="label", workdir=str(root / "work"),
+                                   name="typed_ml", parallelism=2, hidden=[32], epochs=8, batchSize=32,
+                                   overrides=["train.lr=0.1", "ps.timeout_s=60",
+                                              "data.features=[age, {name: city, type: categorical, embedding_dim: 4}]"])
+    ages = SQLTransformer(statement="SELECT *, days / 365.25 AS age FROM __THIS__")
+    model = Pipeline(stages=[ages, estimator]).fit(typed_frame.where("row % 4 != 0"))
+    # Held-out rows with a city never seen in training (scored with the out-of-vocabulary id) and a null one.
+    held_out = typed_frame.where("row % 4 = 0").selectExpr(
+        "row", "days", "label",
+        "CASE WHEN row % 40 = 0 THEN 'utopia' WHEN row % 40 = 20 THEN NULL ELSE city END AS city")
+    return model, held_out, root
+
+
+def _typed_reference(shardline, rows):
+    """Transform + the torch model of the fitted stage, in this process: {row: (prediction, probabilities)}."""
+    import pyarrow as pa
+    import torch
+
+    from udfs.transforms import Transform
+
+    state = shardline._require_state()
+    transform = Transform(state["features"], {k: pa.array(v, pa.string()) for k, v in state["vocabularies"].items()})
+    table = pa.table({"age": [r["days"] / 365.25 for r in rows], "city": [r["city"] for r in rows]})
+    arrays, valid, _, _ = transform.apply(table)
+    assert valid.all()
+    with torch.no_grad():
+        logits = shardline.torch_model()({k: torch.from_numpy(v) for k, v in arrays.items()})
+    probabilities = torch.softmax(logits, dim=1).numpy()
+    labels = [float(v) for v in shardline.labels]
+    return {r["row"]: (labels[int(i)], p) for r, i, p in zip(rows, probabilities.argmax(axis=1), probabilities)}
+
+
+@pytest.mark.slow
+def test_pipeline_fits_numeric_and_categorical_inputs_and_transforms_through_the_transform(typed_fitted, spark):
+    from pyspark.ml import PipelineModel
+
+    from pipeline.spark_ml import ShardlineModel
+
+    model, held_out, root = typed_fitted
+    shardline = model.stages[-1]
+    assert isinstance(shardline, ShardlineModel)
+    features = {f["name"]: f for f in shardline._require_state()["features"]}
+    assert features["age"]["type"] == "numeric" and features["age"]["standardize"]
+    assert features["city"]["type"] == "categorical" and features["city"]["embedding_dim"] == 4
+    assert sorted(shardline._require_state()["vocabularies"]["city"]) == sorted(CITIES)
+    assert shardline.metrics["accuracy"] >= 0.9, shardline.metrics
+
+    scored = model.transform(held_out).select("row", "days", "city", "label", "prediction", "probability").collect()
+    assert len(scored) == 600 and all(r["prediction"] is not None for r in scored)
+    known = [r for r in scored if r["city"] in CITIES]
+    assert np.mean([r["label"] == r["prediction"] for r in known]) >= 0.9
+    reference = _typed_reference(shardline, scored)
+    assert all(r["prediction"] == reference[r["row"]][0] for r in scored)
+    np.testing.assert_allclose(np.array([r["probability"].toArray() for r in scored]),
+                               np.array([reference[r["row"]][1] for r in scored]), atol=1e-6, rtol=0)
+
+    path = root / "typed_pipeline"
+    model.write().overwrite().save(str(path))
+    info = json.loads(next(path.glob("stages/*/shardline/state.json")).read_text())
+    assert info["format"] == 2 and [f["name"] for f in info["features"]] == ["age", "city"]
+    again = {r["row"]: r["prediction"] for r in PipelineModel.load(str(path)).transform(held_out).collect()}
+    assert again == {r["row"]: r["prediction"] for r in scored}
+
+
+@pytest.mark.slow
+def test_typed_pandas_udf_fallback_scores_like_the_arrow_udf(typed_fitted, monkeypatch):
+    import pyspark.sql.functions as functions
+
+    model, held_out, _ = typed_fitted
+    arrow = {r["row"]: (r["prediction"], r["probability"].toArray())
+             for r in model.transform(held_out).select("row", "prediction", "probability").collect()}
+    if hasattr(functions, "arrow_udf"):
+        monkeypatch.delattr(functions, "arrow_udf")
+    pandas = {r["row"]: (r["prediction"], r["probability"].toArray())
+              for r in model.transform(held_out).select("row", "prediction", "probability").collect()}
+    assert set(arrow) == set(pandas) and all(arrow[i][0] == pandas[i][0] for i in arrow)
+    np.testing.assert_allclose(np.array([pandas[i][1] for i in sorted(arrow)]),
+                               np.array([arrow[i][1] for i in sorted(arrow)]), atol=1e-6, rtol=0)
+
+
+def test_input_columns_of_unknown_kinds_need_a_typed_entry(spark, tmp_path):
+    from pipeline.errors import ConfigError, DataError
+    from pipeline.spark_ml import ShardlineEstimator
+
+    frame = spark.createDataFrame([(1.0, bytearray(b"png"), "x", 0.0), (2.0, bytearray(b"png"), "y", 1.0)],
+                                  "age double, photo binary, city string, label double")
+    estimator = ShardlineEstimator(inputCols=["age", "photo"], labelCol="label", workdir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"'photo' has type binary: give it a typed entry.*type: image"):
+        estimator.fit(frame)
+    with pytest.raises(ConfigError, match=r"data.features names \['city'\], which are not in inputCols"):
+        ShardlineEstimator(inputCols=["age"], labelCol="label", workdir=str(tmp_path),
+                           overrides=["data.features=[{name: city, type: categorical}]"]).fit(frame)
+    with pytest.raises(DataError, match="may not hold the label column"):
+        ShardlineEstimator(inputCols=["age", "label"], labelCol="label", workdir=str(tmp_path)).fit(frame)

@@ -20,13 +20,37 @@ def tracking_uri(tmp_path_factory):
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
 
 
-def _mlp() -> nn.Module:
+def _mlp(outputs: int = 10) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, outputs))
+
+
+class _DictMLP(nn.Module):
+    """The batch-dict form every shardline model takes: batch['numeric'] -> logits (or one output)."""
+
+    def __init__(self, outputs: int = 10):
+        super().__init__()
+        self.body = _mlp(outputs)
+
+    def forward(self, batch):
+        return self.body(batch["numeric"])
+
+
+NAMES = [f"x{i:02d}" for i in range(64)]
+def _features():
+    from pipeline.config.feature_spec import FeatureSet
+
+    return FeatureSet.numeric_only(NAMES)  # no standardization: the served model sees the raw values
 
 
 def _batch(n: int = 16) -> np.ndarray:
     return np.random.default_rng(0).standard_normal((n, 64)).astype(np.float32)
+
+
+def _rows(batch: np.ndarray):
+    import pandas as pd
+
+    return pd.DataFrame(batch.astype(np.float64), columns=NAMES)
 
 
 def _artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
@@ -79,14 +103,14 @@ def test_flatten_params_nested_lists_and_truncation():
 
 def test_full_run_logs_everything_and_model_round_trips(tracking_uri, tmp_path):
     import mlflow
-    import mlflow.pytorch
+    import mlflow.pyfunc
     from mlflow import MlflowClient
 
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"shards": 4}))
     history = [{"epoch": e, "train_loss": 2.0 / (e + 1), "val_loss": 2.1 / (e + 1),
                 "val_accuracy": 0.3 + 0.2 * e, "samples_per_s": 1000.0 + e} for e in range(3)]
-    model = _mlp()
+    model = _DictMLP()
     model.train()
     batch = _batch()
 
@@ -100,7 +124,8 @@ def test_full_run_logs_everything_and_model_round_trips(tracking_uri, tmp_path):
         run.log_history(history)
         run.log_file(manifest, "shards")
         run.set_tags({"stage": "test"})
-        model_uri = run.log_model(model, batch[:4], registered_model_name="tracking-test-mlp")
+        model_uri = run.log_model(model, _features(), {}, "classification", [str(i) for i in range(10)],
+                                  _rows(batch[:4]), registered_model_name="tracking-test-mlp")
 
     assert model.training, "log_model must restore the module's training mode"
     client = MlflowClient(tracking_uri)
@@ -131,35 +156,39 @@ def test_full_run_logs_everything_and_model_round_trips(tracking_uri, tmp_path):
     db_dir = Path(tracking_uri[len("sqlite:///"):]).parent
     assert client.get_experiment(run.experiment_id).artifact_location.startswith(db_dir.as_uri())
 
-    # The model: pt2 format, explicit requirements, loads back and predicts like the original.
-    loaded = mlflow.pytorch.load_model(model_uri)
+    # The model: a pyfunc on raw columns, the network in pt2 format, explicit requirements, predicts like
+    # the original (a batch of 16, logged with 4: the batch dimension is dynamic).
+    loaded = mlflow.pyfunc.load_model(model_uri)
     model.eval()
     with torch.no_grad():
-        expected = model(torch.from_numpy(batch)).numpy()
-        actual = loaded(torch.from_numpy(batch)).numpy()  # batch of 16, logged with 4: dynamic batch dim
-    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+        logits = model({"numeric": torch.from_numpy(batch)})
+    predicted = loaded.predict(_rows(batch))
+    assert predicted["prediction"].tolist() == logits.argmax(dim=1).tolist()
+    np.testing.assert_allclose(np.array(predicted["probability"].tolist()), torch.softmax(logits, 1).numpy(),
+                               rtol=1e-5, atol=1e-6)
     logged = mlflow.get_logged_model(model_uri.rsplit("/", 1)[-1])
     assert logged.source_run_id == run.run_id and logged.name == "model"
     model_dir = Path(mlflow.artifacts.download_artifacts(logged.artifact_location, dst_path=str(tmp_path / "m")))
-    assert (model_dir / "data" / "model.pt2").is_file()
+    assert (model_dir / "artifacts" / "shardline" / "model.pt2").is_file()
     requirements = (model_dir / "requirements.txt").read_text().split()
     assert f"torch=={torch.__version__.split('+')[0]}" in requirements
-    assert any(r.startswith("mlflow==") for r in requirements)
+    assert {r.split("==")[0] for r in requirements} >= {"mlflow", "numpy", "pandas", "pyarrow"}
     assert [v.run_id for v in client.search_model_versions("name='tracking-test-mlp'")] == [run.run_id]
-    assert mlflow.pytorch.load_model("models:/tracking-test-mlp/1") is not None
+    assert mlflow.pyfunc.load_model("models:/tracking-test-mlp/1") is not None
 
 
-def test_log_model_single_float64_row_still_loads_with_any_batch(tracking_uri):
-    import mlflow.pytorch
+def test_log_model_single_row_example_still_predicts_any_batch(tracking_uri):
+    import mlflow.pyfunc
 
-    model = _mlp().eval()
-    with start_run(tracking_uri, "single-row") as run:
-        model_uri = run.log_model(model, _batch(1).astype(np.float64))  # size-1 dims would be frozen
+    model = _DictMLP(outputs=1).eval()
+    with start_run(tracking_uri, "single-row") as run:  # size-1 dims would be frozen by a naive export
+        model_uri = run.log_model(model, _features(), {}, "regression", None, _rows(_batch(1)))
     batch = _batch(5)
     with torch.no_grad():
-        expected = model(torch.from_numpy(batch)).numpy()
-    np.testing.assert_allclose(mlflow.pytorch.load_model(model_uri)(torch.from_numpy(batch)).detach().numpy(),
-                               expected, rtol=1e-5, atol=1e-6)
+        expected = model({"numeric": torch.from_numpy(batch)})[:, 0].numpy()
+    got = mlflow.pyfunc.load_model(model_uri).predict(_rows(batch))
+    assert list(got.columns) == ["prediction"]
+    np.testing.assert_allclose(got["prediction"].to_numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_run_is_failed_when_block_raises(tracking_uri):
@@ -200,10 +229,10 @@ class _Custom(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.body = _mlp()
+        self.body = _mlp(outputs=1)
 
-    def forward(self, x):
-        return torch.softmax(self.body(x), dim=-1)
+    def forward(self, batch):
+        return torch.tanh(self.body(batch["numeric"]))
 
 
 # Runs in a fresh, isolated interpreter (no test or pipeline code importable). It imports while the
@@ -211,10 +240,11 @@ class _Custom(nn.Module):
 _LOAD_IN_FRESH_PROCESS = """
 import json, sys
 sys.modules["pipeline"] = None  # loading must not need the project package either
-import numpy as np, torch, mlflow.pytorch
+import numpy as np, pandas as pd, mlflow.pyfunc
 model_uri, batch_path = sys.stdin.read().split()
-model = mlflow.pytorch.load_model(model_uri)
-print(json.dumps(model(torch.from_numpy(np.load(batch_path))).detach().numpy().tolist()))
+model = mlflow.pyfunc.load_model(model_uri)
+rows = pd.DataFrame(np.load(batch_path).astype(np.float64), columns=[f"x{i:02d}" for i in range(64)])
+print(json.dumps(model.predict(rows)["prediction"].tolist()))
 """
 
 
@@ -235,7 +265,7 @@ def test_http_tracking_server_round_trip(mlflow_server, tmp_path):
             run.log_params({"train": {"lr": 0.1}})
             run.log_epoch(0, {"train_loss": 1.5})
             run.log_epoch(1, {"train_loss": 1.0})
-            model_uri = run.log_model(model, batch)
+            model_uri = run.log_model(model, _features(), {}, "regression", None, _rows(batch))
 
         client = MlflowClient(uri)
         got = client.get_run(run.run_id)
@@ -246,8 +276,8 @@ def test_http_tracking_server_round_trip(mlflow_server, tmp_path):
         np.save(tmp_path / "batch.npy", batch)
         stdout, stderr = loader.communicate(f"{model_uri}\n{tmp_path / 'batch.npy'}\n", timeout=120)
         assert loader.returncode == 0, stderr[-3000:]
-        with torch.no_grad():
-            expected = model.eval()(torch.from_numpy(batch)).numpy()
+        with torch.no_grad():  # regression: the served prediction is the network's first output
+            expected = model.eval()({"numeric": torch.from_numpy(batch)})[:, 0].numpy()
         np.testing.assert_allclose(np.array(json.loads(stdout.strip().splitlines()[-1])), expected,
                                    rtol=1e-5, atol=1e-6)
     finally:

@@ -11,13 +11,20 @@
     model.write().overwrite().save("/models/digits")  # PipelineModel.load(...) in any later session
     model.transform(df).select("prediction", "probability")
 
-`fit` writes the selected input (the vector column expanded to f0..fN-1, the label, a row id fixed once)
-as a Parquet source under the workdir and runs the usual steps on it: `run_etl` (balanced shards,
-train-only statistics), `pipeline.launch.train` (barrier workers), `pipeline.evaluate` on the test split.
-No MLflow here (only pipeline.tracking talks to MLflow). The fitted `ShardlineModel` holds the model
-spec, the flat fp32 parameters, the standardization statistics and the label values; `transform` scores
-with a vectorized Arrow UDF (udfs/predict.py). Persistence is Spark ML's: params metadata through
-`DefaultParamsWriter`, the model state as JSON + raw little-endian float32 bytes (no pickle).
+    # Raw typed columns instead of one vector: numbers are numeric features, strings categorical,
+    # Vectors/arrays vector features; any other type (images, text) needs its typed data.features entry.
+    ShardlineEstimator(inputCols=["age", "city", "photo"], labelCol="label",
+                       overrides=["data.features=[{name: photo, type: image, height: 32, width: 32}]"])
+
+`fit` writes the selected input (the vector column expanded to f0..fN-1, or the inputCols as they are with
+Vectors as arrays; the label; a row id fixed once) as a Parquet source under the workdir and runs the usual
+steps on it: `run_etl` (balanced shards, train-only statistics and vocabularies), `pipeline.launch.train`
+(barrier workers), `pipeline.evaluate` on the test split. No MLflow here (only pipeline.tracking talks to
+MLflow). The fitted `ShardlineModel` holds the model spec, the flat fp32 parameters, the fitted features
+(or, classic, the standardization statistics), the vocabularies and the label values; `transform` scores
+with a vectorized Arrow UDF (udfs/predict.py) through udfs.transforms.Transform, the ETL's preprocessing.
+Persistence is Spark ML's: params metadata through `DefaultParamsWriter`, the model state as JSON + raw
+little-endian float32 bytes (no pickle).
 """
 from __future__ import annotations
 
@@ -25,7 +32,6 @@ import functools
 import hashlib
 import json
 import logging
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -43,17 +49,14 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, DataError
 from pipeline.models import model_from_flat
+from pipeline.spark_ml.inputs import LABEL, ROW_ID, feature_name, input_copy, transform_input
+
+__all__ = ["ShardlineEstimator", "ShardlineModel", "feature_name", "LABEL", "ROW_ID"]
 
 log = logging.getLogger(__name__)
 
 STATE_DIR = "shardline"
-STATE_FORMAT = 1
-ROW_ID = "row_id"
-LABEL = "label"
-
-
-def feature_name(i: int) -> str:
-    return f"f{i}"
+STATE_FORMAT = 2  # 2 adds the fitted features and vocabularies; format 1 (classic) still loads
 
 
 class _ShardlineParams(HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol):
@@ -80,6 +83,9 @@ class _ShardlineParams(HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabi
                     typeConverter=TypeConverters.toString)
     psMode = Param(Params._dummy(), "psMode", "ps.mode: sync | async | ssp | average",
                    typeConverter=TypeConverters.toString)
+    inputCols = Param(Params._dummy(), "inputCols",
+                      "raw input columns, one feature each (instead of featuresCol); typed data.features "
+                      "entries in the config or overrides refine them", typeConverter=TypeConverters.toListString)
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,6 +97,9 @@ class _ShardlineParams(HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabi
 
     def getOverrides(self) -> list[str]:
         return list(self.getOrDefault(self.overrides))
+
+    def getInputCols(self) -> list[str]:
+        return list(self.getOrDefault(self.inputCols)) if self.isDefined(self.inputCols) else []
 
 
 # typed Param -> dotted config key
@@ -119,7 +128,8 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
                  workdir: Optional[str] = None, name: Optional[str] = None, parallelism: Optional[int] = None,
                  modelKind: Optional[str] = None, hidden: Optional[list[int]] = None, epochs: Optional[int] = None,
                  batchSize: Optional[int] = None, learningRate: Optional[float] = None,
-                 backend: Optional[str] = None, psMode: Optional[str] = None) -> None:
+                 backend: Optional[str] = None, psMode: Optional[str] = None,
+                 inputCols: Optional[list[str]] = None) -> None:
         super().__init__()
         self.setParams(**self._input_kwargs)
 
@@ -130,13 +140,15 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
                   workdir: Optional[str] = None, name: Optional[str] = None, parallelism: Optional[int] = None,
                   modelKind: Optional[str] = None, hidden: Optional[list[int]] = None, epochs: Optional[int] = None,
                   batchSize: Optional[int] = None, learningRate: Optional[float] = None,
-                  backend: Optional[str] = None, psMode: Optional[str] = None) -> "ShardlineEstimator":
+                  backend: Optional[str] = None, psMode: Optional[str] = None,
+                  inputCols: Optional[list[str]] = None) -> "ShardlineEstimator":
         kwargs = {k: v for k, v in self._input_kwargs.items() if v is not None}
         return self._set(**kwargs)
 
-    def pipeline_config(self, input_path: Optional[str] = None, num_features: Optional[int] = None) -> PipelineConfig:
+    def pipeline_config(self, input_path: Optional[str] = None, features: Optional[list] = None) -> PipelineConfig:
         """The resolved config: configPath (on its base.yaml), then the typed Params, then `overrides`;
-        with input_path, the data section points at the Parquet copy of the input frame."""
+        with input_path, the data section points at the Parquet copy of the input frame and its `features`
+        (data.features items) replace the configured ones."""
         path = self.getConfigPath()
         merged: dict = {}
         if path is not None:
@@ -151,50 +163,9 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
             merged = deep_merge(merged, parse_override(override))
         if input_path is not None:
             data = {"source": "parquet", "path": input_path, "label": LABEL, "id_column": ROW_ID,
-                    "features": [feature_name(i) for i in range(num_features or 0)]}
+                    "features": list(features or [])}
             merged = deep_merge(merged, {"data": data})
         return build(merged, f"ShardlineEstimator({path or 'defaults'})")
-
-    def _input_copy(self, dataset, cfg: PipelineConfig, target: Path) -> int:
-        """Write features f0..fN-1, the label and a row id (fixed once, here) as the Parquet source."""
-        from pyspark.ml.functions import vector_to_array
-        from pyspark.ml.linalg import VectorUDT
-        from pyspark.sql import functions as F
-        from pyspark.sql.types import ArrayType, NumericType
-
-        features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
-        for column in (features_col, label_col):
-            if column not in dataset.columns:
-                raise DataError(f"column {column!r} is not in the input DataFrame (columns: {dataset.columns})")
-        ftype = dataset.schema[features_col].dataType
-        if isinstance(ftype, VectorUDT):
-            array = vector_to_array(F.col(features_col), "float64")
-        elif isinstance(ftype, ArrayType) and isinstance(ftype.elementType, NumericType):
-            array = F.col(features_col).cast("array<double>")
-        else:
-            raise DataError(f"featuresCol {features_col!r} has type {ftype.simpleString()}; it must be a Vector "
-                            "(e.g. from VectorAssembler) or an array of numbers")
-        label = F.col(label_col)
-        integral_labels = cfg.data.task == "classification" and \
-            dataset.schema[label_col].dataType.typeName() in ("double", "float")
-        fractional = (label != F.floor(label)) if integral_labels else F.lit(False)
-        first = dataset.select(F.max(F.size(array)).alias("n"),
-                               F.count(F.when(fractional, 1)).alias("fractional")).first()
-        if first is None or first["n"] is None or first["n"] < 1:
-            raise DataError("the input DataFrame has no rows with features")
-        if first["fractional"]:
-            raise DataError(f"label column {label_col!r} has {first['fractional']} non-integer values for a "
-                            "classification task; set overrides=['data.task=regression']")
-        n = int(first["n"])
-        if integral_labels:  # Spark ML labels are doubles: 3.0 becomes the int64 class "3"
-            label = label.cast("long")
-        arrays = dataset.select(array.alias("__v"), label.alias(LABEL))
-        frame = arrays.select(F.monotonically_increasing_id().alias(ROW_ID),
-                              *[F.col("__v")[i].alias(feature_name(i)) for i in range(n)], LABEL)
-        if target.exists():
-            shutil.rmtree(target)
-        frame.write.parquet(str(target))
-        return n
 
     def _fit(self, dataset) -> "ShardlineModel":
         from pipeline.etl import run_etl
@@ -203,8 +174,9 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
 
         probe = self.pipeline_config()
         target = Workdir.of(probe).spark_ml_input
-        num_features = self._input_copy(dataset, probe, target)
-        cfg = self.pipeline_config(str(target), num_features)
+        features = input_copy(dataset, self.getInputCols(), self.getFeaturesCol(), self.getLabelCol(), probe,
+                              target)
+        cfg = self.pipeline_config(str(target), features)
         spark = dataset.sparkSession
         manifest = run_etl(spark, cfg)
         result = train(spark, cfg, manifest)
@@ -215,10 +187,13 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
             if hasattr(result.parameters, "detach") else np.asarray(result.parameters, dtype=np.float32)
         model = ShardlineModel(featuresCol=self.getFeaturesCol(), predictionCol=self.getPredictionCol(),
                                probabilityCol=self.getProbabilityCol())
+        typed = bool(self.getInputCols())
         model._set_state(spec=result.spec.to_dict(), parameters=parameters, means=list(manifest.means),
                          stds=list(manifest.stds), task=manifest.task,
                          labels=None if manifest.label_mapping is None else list(manifest.label_mapping),
-                         metrics=metrics, history=list(result.history))
+                         metrics=metrics, history=list(result.history),
+                         features=manifest.feature_set.to_list() if typed else None,
+                         vocabularies={k: v.to_pylist() for k, v in manifest.vocabularies().items()} if typed else {})
         return self._copyValues(model)
 
 
@@ -253,11 +228,15 @@ class ShardlineModel(Model, _ShardlineParams, MLReadable, MLWritable):
         self._state: Optional[dict] = None
 
     def _set_state(self, *, spec: dict, parameters: np.ndarray, means: list[float], stds: list[float], task: str,
-                   labels: Optional[list[str]], metrics: dict, history: list) -> None:
+                   labels: Optional[list[str]], metrics: dict, history: list, features: Optional[list] = None,
+                   vocabularies: Optional[dict] = None) -> None:
+        """features: the fitted FeatureSpec dicts of a model fitted on inputCols (None: the classic
+        featuresCol vector, standardized with means/stds); vocabularies: name -> values, id order."""
         self._state = {"spec": spec, "parameters": np.ascontiguousarray(parameters, dtype=np.float32),
                        "means": [float(v) for v in means], "stds": [float(v) for v in stds], "task": task,
                        "labels": labels, "metrics": {k: float(v) for k, v in metrics.items()},
-                       "history": history}
+                       "history": history, "features": features,
+                       "vocabularies": {k: list(v) for k, v in (vocabularies or {}).items()}}
 
     def _require_state(self) -> dict:
         if self._state is None:
@@ -296,32 +275,26 @@ class ShardlineModel(Model, _ShardlineParams, MLReadable, MLWritable):
         return digest.hexdigest()
 
     def _transform(self, dataset):
-        from pyspark.ml.functions import array_to_vector, vector_to_array
-        from pyspark.ml.linalg import VectorUDT
+        from pyspark.ml.functions import array_to_vector
         from pyspark.sql import functions as F
 
         from udfs.predict import RESULT_DDL, make_arrow_predict_fn, make_pandas_predict_fn, make_scorer
 
         state = self._require_state()
-        features_col = self.getFeaturesCol()
-        if features_col not in dataset.columns:
-            raise DataError(f"column {features_col!r} is not in the DataFrame (columns: {dataset.columns})")
-        ftype = dataset.schema[features_col].dataType
-        column = vector_to_array(F.col(features_col), "float32") if isinstance(ftype, VectorUDT) \
-            else F.col(features_col).cast("array<float>")
+        column, specs, classic = transform_input(dataset, state["features"], self.getFeaturesCol(),
+                                                 state["means"], state["stds"])
         build = functools.partial(model_from_flat, state["spec"], state["parameters"])
         classification = state["task"] == "classification"
-        scorer = make_scorer(self._key(), build, state["means"], state["stds"], state["task"],
+        scorer = make_scorer(self._key(), build, specs, state["vocabularies"], state["task"],
                              _label_values(state["labels"]) if classification else None)
-        num_features = len(state["means"])
         try:
             from pyspark.sql.functions import arrow_udf  # pyspark >= 4.1
         except ImportError:
             from pyspark.sql.functions import pandas_udf
 
-            udf = pandas_udf(make_pandas_predict_fn(scorer, num_features), RESULT_DDL)
+            udf = pandas_udf(make_pandas_predict_fn(scorer, classic), RESULT_DDL)
         else:
-            udf = arrow_udf(make_arrow_predict_fn(scorer, num_features), RESULT_DDL)
+            udf = arrow_udf(make_arrow_predict_fn(scorer, classic), RESULT_DDL)
         tmp = f"__shardline_{uuid.uuid4().hex[:8]}"
         scored = dataset.select("*", udf(column).alias(tmp))
         outputs = [F.col(f"{tmp}.prediction").alias(self.getPredictionCol())]
@@ -356,7 +329,8 @@ class ShardlineModelWriter(MLWriter):
         info = {"format": STATE_FORMAT, "spec": state["spec"], "means": state["means"], "stds": state["stds"],
                 "task": state["task"], "labels": state["labels"], "metrics": state["metrics"],
                 "history": state["history"], "num_parameters": int(state["parameters"].size),
-                "parameters_sha256": hashlib.sha256(raw).hexdigest()}
+                "parameters_sha256": hashlib.sha256(raw).hexdigest(), "features": state["features"],
+                "vocabularies": state["vocabularies"]}
         (folder / "state.json").write_text(json.dumps(info, indent=1))
 
 
@@ -376,12 +350,13 @@ class ShardlineModelReader(MLReader):
             raw = (folder / "parameters.f32").read_bytes()
         except FileNotFoundError as exc:
             raise DataError(f"{path} is not a saved ShardlineModel: {exc.filename} is missing") from None
-        if info.get("format") != STATE_FORMAT:
-            raise DataError(f"{folder}: state format {info.get('format')} is not {STATE_FORMAT}")
+        if info.get("format") not in (1, STATE_FORMAT):
+            raise DataError(f"{folder}: state format {info.get('format')} is not 1 or {STATE_FORMAT}")
         if hashlib.sha256(raw).hexdigest() != info["parameters_sha256"] or len(raw) != 4 * info["num_parameters"]:
             raise DataError(f"{folder / 'parameters.f32'} does not match state.json (corrupt or replaced)")
         parameters = np.frombuffer(raw, dtype="<f4").astype(np.float32)
         model._set_state(spec=info["spec"], parameters=parameters, means=info["means"], stds=info["stds"],
                          task=info["task"], labels=info["labels"], metrics=info["metrics"],
-                         history=info.get("history", []))
+                         history=info.get("history", []), features=info.get("features"),
+                         vocabularies=info.get("vocabularies"))
         return model
