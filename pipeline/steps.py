@@ -15,7 +15,7 @@ from typing import Optional
 from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, ShardlineError
-from pipeline.shards import MANIFEST_NAME, Manifest, load_manifest
+from pipeline.shards import Manifest, load_manifest
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +104,14 @@ def tracking_uri(cfg: PipelineConfig) -> str:
     return tracking_uri_of(cfg)
 
 
-def _input_example(manifest: Manifest, rows: int = 5):
-    import numpy as np
+def _input_example(spark, cfg: PipelineConfig, manifest: Manifest, rows: int = 64):
+    """Some RAW source rows (the served model's input form; log_model keeps the first valid ones)."""
+    from pipeline.etl.sources import read_source
+    from pipeline.tracking.served import input_example
 
-    from pipeline.data import read_tensors
-
-    features, _ = read_tensors(manifest.files("test")[:1], manifest.features_field, manifest.label_field,
-                               manifest.num_features)
-    return np.ascontiguousarray(features[:rows].numpy(), dtype=np.float32)
+    features = manifest.feature_set
+    raw = read_source(spark, cfg.data, cfg.workdir).select(*[f"`{f.name}`" for f in features]).limit(64)
+    return input_example(raw.toPandas(), features, rows)
 
 
 def _resume_run_id(cfg: PipelineConfig, resume: bool) -> Optional[str]:
@@ -135,7 +135,7 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     if not resume:  # a resumed run logged its params already (MLflow refuses to change them)
         run.log_params(cfg.model_dump(mode="json"))
     run.set_tags({"shardline.fingerprint": manifest.fingerprint, "shardline.workers": str(cfg.parallelism.data)})
-    run.log_file(os.path.join(manifest.root, MANIFEST_NAME), "data")
+    run.log_manifest(manifest)  # manifest.json + vocabularies: what scoring rebuilds the preprocessing from
     run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),
                     manifest.num_features, "int64" if manifest.task == "classification" else "float32")
 
@@ -164,7 +164,8 @@ def _evaluate_into(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, pa
     return evaluation
 
 
-def _log_model(run, cfg: PipelineConfig, manifest: Manifest, spec, parameters) -> Optional[str]:
+def _log_model(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, parameters) -> Optional[str]:
+    """The self-contained served model: raw source columns in, label values and probabilities out."""
     if not cfg.tracking.log_model:
         return None
     from pipeline.models import build_model, load_flat_parameters
@@ -172,7 +173,9 @@ def _log_model(run, cfg: PipelineConfig, manifest: Manifest, spec, parameters) -
     model = build_model(spec)
     load_flat_parameters(model, parameters)
     model.eval()
-    return run.log_model(model, _input_example(manifest), cfg.tracking.registered_model)
+    labels = list(manifest.label_mapping) if manifest.task == "classification" else None
+    return run.log_model(model, manifest.feature_set, manifest.vocabulary_files(), manifest.task, labels,
+                         _input_example(spark, cfg, manifest), cfg.tracking.registered_model)
 
 
 def train(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome:
@@ -185,7 +188,7 @@ def train(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome:
     with start_run(tracking_uri(cfg), cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id,
                    system_metrics_interval_s=cfg.tracking.system_metrics_interval_s) as run:
         result = _train_into(run, spark, cfg, manifest, resume)
-        model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
+        model_uri = _log_model(run, spark, cfg, manifest, result.spec, result.parameters)
         _record_model_uri(cfg, run.run_id, model_uri)
     return PipelineOutcome(run.run_id, run.tracking_uri, {}, result.seconds, model_uri)
 
@@ -218,7 +221,7 @@ def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest, resume: b
             run.set_tags(tags)
         result = _train_into(run, spark, cfg, manifest, resume, initial_parameters)
         evaluation = _evaluate_into(run, spark, cfg, manifest, result.spec, result.parameters)
-        model_uri = _log_model(run, cfg, manifest, result.spec, result.parameters)
+        model_uri = _log_model(run, spark, cfg, manifest, result.spec, result.parameters)
         _record_model_uri(cfg, run.run_id, model_uri)
     return PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, result.seconds, model_uri)
 

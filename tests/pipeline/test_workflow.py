@@ -76,15 +76,11 @@ def test_incremental_workflow_promotes_by_the_metric_rule(spark, mlflow_server, 
     assert client.get_model_version_by_alias("digits", "champion").version == fourth.promotion.version
     assert sorted(os.listdir(state_dir(config(0.0)))) == ["state.json"]
 
-    # The champion loads by alias from the real server and predicts, on the workflow's own test rows.
-    from pipeline.data import read_tensors
-    from pipeline.shards import load_manifest
-    from pipeline.etl import shards_dir
-
-    manifest = load_manifest(shards_dir(config(0.0)))
-    features, labels = read_tensors(manifest.files("test"), num_features=64)
+    # The champion loads by alias from the real server and predicts from the RAW source rows (its fitted
+    # standardization inside), returning the label values and class probabilities.
+    raw = pd.concat([pd.read_parquet(f) for f in sorted(source.rglob("*.parquet"))], ignore_index=True)
     mlflow.set_tracking_uri(mlflow_server)
     champion = mlflow.pyfunc.load_model("models:/digits@champion")
-    scores = np.asarray(champion.predict(features.numpy()))
-    assert scores.shape == (len(labels), 10)
-    assert (scores.argmax(axis=1) == labels.numpy()).mean() > 0.8
+    predicted = champion.predict(raw[[f"p{i}" for i in range(64)]])
+    assert np.stack(predicted["probability"].to_numpy()).shape == (len(raw), 10)
+    assert (predicted["prediction"].to_numpy() == raw["label"].to_numpy()).mean() > 0.8
