@@ -26,7 +26,6 @@ def test_digits_reaches_the_accuracy_bar(outcome):
     assert result.test_metrics["macro_f1"] >= 0.94
 
 
-@pytest.mark.slow
 def _raw_split_rows(spark, cfg, split: str):
     """The source rows the ETL put in `split` (same hash split), as pandas, features + label."""
     from pipeline.etl.sources import read_source
@@ -38,6 +37,7 @@ def _raw_split_rows(spark, cfg, split: str):
     return rows.select(*features, "label").toPandas()
 
 
+@pytest.mark.slow
 def test_mlflow_run_holds_everything(outcome, spark):
     import mlflow
     from mlflow import MlflowClient
