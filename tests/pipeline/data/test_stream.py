@@ -166,3 +166,11 @@ def test_batches_straddling_row_groups_are_independent_and_thread_count_free(tmp
     before = [x.clone() for x, _ in batches]
     batches[0][0].fill_(-1.0)  # the caller may write into a batch in place
     assert all(torch.equal(x, b) for (x, _), b in zip(batches[1:], before[1:]))
+
+
+def test_petastorm_reader_refuses_features_it_cannot_serve():
+    from pipeline.config.feature_spec import FeatureSet, FeatureSpec
+
+    features = FeatureSet((FeatureSpec(name="amount", type="numeric"), FeatureSpec(name="city", type="categorical")))
+    with pytest.raises(DataError, match=r"petastorm serves numeric features only.*city \(categorical\).*data.reader=arrow"):
+        StreamingLoader(["unused.parquet"], steps_per_epoch=1, seed=0, rank=0, reader="petastorm", features=features)
