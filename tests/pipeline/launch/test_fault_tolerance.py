@@ -129,19 +129,6 @@ def test_a_shard_smaller_than_a_batch_is_refused_before_anything_starts(spark, d
         train(spark, cfg, _uneven_manifest(manifest, [0, 900]))
 
 
-@pytest.fixture(scope="module")
-def user_models(spark):
-    """tests/pipeline/models/user_models.py importable as `user_models` here and in the Python workers."""
-    import os
-    import sys
-
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "user_models.py")
-    sys.path.insert(0, os.path.dirname(path))
-    spark.sparkContext.addPyFile(path)
-    yield "user_models"
-    sys.path.remove(os.path.dirname(path))
-
-
 @pytest.mark.parametrize("factory, error", [("nan_mlp", "NonFiniteError"), ("rejecting_mlp", "ModelInputError")])
 def test_a_failure_a_retry_cannot_cure_ends_the_run_after_one_attempt(spark, digits, user_models, factory, error,
                                                                       caplog):

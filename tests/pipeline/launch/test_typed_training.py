@@ -1,8 +1,5 @@
 """Every feature type through real barrier training: the PS and allreduce, a built-in model and a factory
 whose module takes the batch dict, then Spark evaluation on the test split."""
-import os
-import sys
-
 import pytest
 
 from pipeline.config import with_changes
@@ -21,15 +18,6 @@ def typed(spark, conf_dir, tmp_path_factory):
     cfg = with_changes(typed_config(conf_dir, work, source, name="typed-training"),
                        train={"epochs": 6, "optimizer": "adam", "lr": 0.01}, ps={"timeout_s": 30})
     return cfg, run_etl(spark, cfg)
-
-
-@pytest.fixture(scope="module")
-def user_models(spark):
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "user_models.py")
-    sys.path.insert(0, os.path.dirname(path))
-    spark.sparkContext.addPyFile(path)
-    yield "user_models"
-    sys.path.remove(os.path.dirname(path))
 
 
 @pytest.mark.parametrize("backend", ["ps", "allreduce"])
