@@ -114,7 +114,7 @@ def test_clicks_config(conf_dir, tmp_path):
     categorical = [f for f in data.features if f.type == "categorical"]
     assert [f.name for f in numeric] == [f"n{i}" for i in range(13)] and all(f.impute == "mean" for f in numeric)
     assert [f.name for f in categorical] == [f"c{j}" for j in range(26)]
-    assert categorical[0].hash_buckets == 262_144 and all(f.hash_buckets is None for f in categorical[1:])
+    assert categorical[0].hash_buckets == 16_384 and all(f.hash_buckets is None for f in categorical[1:])
     assert all(f.min_count == 5 for f in categorical)
     with pytest.raises(ConfigError, match="numeric or categorical"):
         build({"data": {"source": "clicks", "clicks": {"numeric": 0, "categorical": 0}}})
