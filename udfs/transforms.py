@@ -102,8 +102,43 @@ def hash_ids(text: pa.Array, buckets: int) -> np.ndarray:
     return ids
 
 
-def vocab_ids(text: pa.Array, vocabulary: pa.Array) -> np.ndarray:
-    """int64 ids: NULL_ID for null, OOV_ID for a value not in the vocabulary, FIRST_ID + its position."""
+# Above this size a vocabulary is looked up through a pandas Index built once: pyarrow's index_in rebuilds
+# its hash table from the value set on every call (2.6 us/row for 315k values against 0.15 us/row).
+LARGE_VOCABULARY = 4096
+
+
+class VocabularyIndex:
+    """A vocabulary's value -> position lookup, built on first use and reused for every batch."""
+
+    def __init__(self, vocabulary: pa.Array):
+        self.vocabulary = vocabulary
+        self._index = None
+
+    def positions(self, values: pa.Array) -> np.ndarray:
+        """Position of each distinct value of `values` in the vocabulary (-1: absent), per row; nulls -1."""
+        import pandas as pd
+
+        if self._index is None:
+            self._index = pd.Index(self.vocabulary.to_numpy(zero_copy_only=False))
+        encoded = pc.dictionary_encode(values)
+        found = self._index.get_indexer(encoded.dictionary.to_numpy(zero_copy_only=False))
+        indices = encoded.indices
+        out = np.full(len(values), -1, dtype=np.int64)
+        valid = indices.is_valid().to_numpy(zero_copy_only=False)
+        if len(found):
+            out[valid] = found[indices.drop_null().to_numpy(zero_copy_only=False)]
+        return out
+
+
+def vocab_ids(text: pa.Array, vocabulary) -> np.ndarray:
+    """int64 ids: NULL_ID for null, OOV_ID for a value not in the vocabulary, FIRST_ID + its position.
+    `vocabulary`: an Arrow string array, or a VocabularyIndex over one (large vocabularies)."""
+    if isinstance(vocabulary, VocabularyIndex):
+        positions = vocabulary.positions(text)
+        ids = np.where(positions >= 0, positions + FIRST_ID, OOV_ID).astype(np.int64)
+        if text.null_count:
+            ids[text.is_null().to_numpy(zero_copy_only=False)] = NULL_ID
+        return ids
     found = pc.index_in(text, value_set=vocabulary)
     ids = pc.fill_null(pc.add(found, FIRST_ID), OOV_ID).to_numpy(zero_copy_only=False).astype(np.int64)
     if text.null_count:
@@ -253,7 +288,8 @@ class Transform:
     def __init__(self, specs: Sequence[Mapping[str, Any]], vocabularies: Mapping[str, pa.Array]):
         self.specs = [dict(s) for s in specs]
         self.numeric = [s for s in self.specs if s["type"] == "numeric"]
-        self.vocabularies = dict(vocabularies)
+        self.vocabularies = {name: VocabularyIndex(v) if len(v) > LARGE_VOCABULARY else v
+                             for name, v in vocabularies.items()}
 
     @property
     def columns(self) -> list[str]:
