@@ -77,7 +77,10 @@ def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, st
     specs = [_raw_spec(e, source_types) for e in entries]
     fn = make_typed_profile_fn(specs, counted, data.label, SPLIT_COLUMN, data.task == "regression",
                                data.task == "classification" and allowed is None, MAX_CLASSES, allowed)
-    profiled = df.mapInArrow(fn, OUTPUT_DDL).cache()
+    # Only the columns the pass reads reach Python (Parquet pruning too): not hashed categoricals, nor, with
+    # a frozen fit, any categorical/text column.
+    needed = [e.name for i, e in enumerate(entries) if e.type in ("numeric", "vector", "image") or i in counted]
+    profiled = df.select(*[f"`{c}`" for c in needed + [data.label, SPLIT_COLUMN]]).mapInArrow(fn, OUTPUT_DDL).cache()
     try:
         rows = sorted(profiled.where("kind = 'summary'").select("pid", "summary").collect(), key=lambda r: r["pid"])
         vocab, distinct = _vocab_rows(profiled, entries, counted)
