@@ -103,8 +103,9 @@ def hash_ids(text: pa.Array, buckets: int) -> np.ndarray:
 
 
 # Above this size a vocabulary is looked up through a pandas Index built once: pyarrow's index_in rebuilds
-# its hash table from the value set on every call (2.6 us/row for 315k values against 0.15 us/row).
-LARGE_VOCABULARY = 4096
+# its hash table from the value set on every call (4.7 us/row for 315k values against 0.18 us/row; below
+# ~20k values index_in is the faster, bench/categorical_etl_bench.py).
+LARGE_VOCABULARY = 20_000
 
 
 class VocabularyIndex:
