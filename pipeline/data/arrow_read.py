@@ -64,6 +64,32 @@ def _fixed(column, path: str, index: int, field: str, shape: tuple[int, ...], dt
     return flat.reshape((flat.shape[0], *shape))
 
 
+def _pixels(column, path: str, index: int, field: str, shape: tuple[int, ...]):
+    """Decoded images stored one fixed-size binary value per row (what Spark hands back as plain binary):
+    viewed as uint8 [rows, *shape] without a per-row copy when Arrow gives one contiguous buffer."""
+    import numpy as np
+    import pyarrow as pa
+
+    from pipeline.errors import DataError
+
+    width = int(np.prod(shape))
+    parts = []
+    for chunk in column.chunks:
+        if chunk.null_count:
+            raise DataError(f"{path} row group {index}: column {field!r} has {chunk.null_count} null images; "
+                            "re-run `shardline etl`")
+        if not pa.types.is_fixed_size_binary(chunk.type):
+            chunk = chunk.cast(pa.binary(width))  # raises unless every value holds width bytes
+        data = np.frombuffer(chunk.buffers()[1], dtype=np.uint8)
+        start = chunk.offset * width
+        parts.append(data[start:start + len(chunk) * width])
+    flat = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.uint8)
+    if len(flat) != sum(len(c) for c in column.chunks) * width:
+        raise DataError(f"{path} row group {index}: column {field!r} holds images of another size than "
+                        f"{shape}; re-run `shardline etl`")
+    return flat.reshape((-1, *shape))
+
+
 def _scalars(column, path: str, index: int, field: str, dtype):
     import numpy as np
 
@@ -109,7 +135,7 @@ def feature_arrays(table, features, features_field: str, path: str, index: int, 
                                 f"longer decode ({error}); re-run `shardline etl`")
             arrays[spec.name] = pixels
         elif spec.type == "image":
-            arrays[spec.name] = _fixed(column, path, index, spec.column, spec.shape, np.uint8)
+            arrays[spec.name] = _pixels(column, path, index, spec.column, spec.shape)
         else:
             raise DataError(f"{path}: feature {spec.name!r} has unknown type {spec.type!r}; re-run `shardline etl`")
     return arrays
