@@ -139,7 +139,7 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
             profiles.labels, profiles.labels_truncated, data.label, numeric_labels)
     num_shards = check_split_sizes(totals, report, data, cfg.parallelism.data, cfg.train.batch_size)
     features = FeatureSet(tuple(specs))
-    spec_dicts = [{**s.to_dict()} for s in specs]
+    spec_dicts = [s.to_dict() for s in specs]
     vocab_arrays = {s.name: pa.array(vocabularies[s.vocabulary], pa.string()) for s in specs if s.vocabulary}
     pack = make_typed_pack_fn(spec_dicts, vocab_arrays, data.label, SPLIT_COLUMN, labels, numeric_labels, regression,
                               allowed, profiles.offsets, profiles.split_rows, num_shards)
