@@ -216,6 +216,44 @@ class ModelConfig(_Section):
     # num_features is the classic form: it gets the numeric width and a tensor.
     factory: Optional[str] = None
     factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Training loss (pipeline/models/losses.py): auto (cross_entropy for classification, mse for regression),
+    # cross_entropy, bce (two classes: one logit, torch's BCE with logits), mse, huber, or
+    # "package.module:function" called as function(task=, num_classes=, **loss_kwargs) -> loss(output, target).
+    loss: str = "auto"
+    loss_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # cross_entropy/bce: label smoothing epsilon, as torch's CrossEntropyLoss(label_smoothing=).
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    # cross_entropy/bce: one weight per class in class order, or {label value: weight} (others 1), as torch's
+    # CrossEntropyLoss(weight=) (a weighted mean) and BCEWithLogitsLoss(weight=w[y]) (a plain mean).
+    class_weights: Optional[typing.Union[list[float], dict[str, float]]] = None
+    # huber: the delta, on the standardized target's scale (standardize_target) or the raw one.
+    huber_delta: float = Field(1.0, gt=0)
+    # Regression: train on (y - mean) / std of the train split's targets; the model maps its predictions back
+    # to the label's scale (evaluation, scoring, the MLflow and Spark ML models see raw-scale predictions).
+    standardize_target: bool = True
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_known(cls, value: str) -> str:
+        if value not in ("auto", "cross_entropy", "bce", "mse", "huber") and not _FACTORY.match(value):
+            raise ValueError(f"must be auto, cross_entropy, bce, mse, huber or 'package.module:function', got {value!r}")
+        return value
+
+    @field_validator("class_weights", mode="before")
+    @classmethod
+    def _weights_by_text(cls, value: Any) -> Any:
+        # YAML reads `{0: 2.0}` with integer keys; the keys are label values written as text.
+        if isinstance(value, dict):
+            return {str(k): v for k, v in value.items()}
+        return value
+
+    @field_validator("class_weights")
+    @classmethod
+    def _weights_positive(cls, value: Any) -> Any:
+        weights = list(value.values()) if isinstance(value, dict) else value
+        if weights is not None and (not weights or any(not w > 0 for w in weights)):
+            raise ValueError(f"class weights must be a non-empty list or map of numbers > 0, got {value}")
+        return value
 
     @field_validator("hidden")
     @classmethod
@@ -317,6 +355,12 @@ class PSConfig(_Section):
     # whose executors cannot reach the driver/client). Same protocol, modes and checkpoints; with `task`
     # the final parameters come back as result rows and progress is reported after each attempt.
     placement: Literal["driver", "task"] = "driver"
+    # async/ssp, staleness-aware updates (pipeline/ps/staleness.py documents both rules). staleness_scale:
+    # inverse weighs each gradient by 1/(1+s), s = versions applied since the rank pulled; none = full weight.
+    staleness_scale: Literal["inverse", "none"] = "inverse"
+    # async/ssp server SGD momentum; null: train.momentum less the momentum asynchrony implies
+    # (tau/(1+tau), tau = parallelism.data-1 in async, min(ps.staleness, parallelism.data-1) in ssp).
+    async_momentum: Optional[float] = Field(None, ge=0, lt=1)
 
 
 class TimeoutsConfig(_Section):
