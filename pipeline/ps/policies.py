@@ -281,8 +281,9 @@ class SspPolicy(_ClockPolicy):
                               f"{core.version}: more than ps.staleness={bound} ahead (PULL first)")
             core.wait_not_stepping_locked(f"adding clock {step} of rank {conn.rank}")
             # Clock `step` is applied at version `step`: the gradient is that many versions past its pull.
-            grad.add_to(self.ring[step % (bound + 1)],
-                        alpha=weight(self.consistency.staleness_scale, step - conn.pulled_version))
+            stale = step - conn.pulled_version
+            grad.add_to(self.ring[step % (bound + 1)], alpha=weight(self.consistency.staleness_scale, stale))
+            self.stats.staleness_locked(stale)
             self.clock_pushed.setdefault(step, set()).add(conn.rank)
             self.clock[conn.rank] = step + 1
             self.stats.pushed_locked(conn.rank, step)
