@@ -32,6 +32,33 @@ def run_config(base, seed: int):
     return with_changes(base, train={"seed": seed}, faults=faults), straggler
 
 
+def stability_runs(spark, base, runs: int, report=print) -> list[dict]:
+    """ETL once, then one train + test evaluation per seed 0..runs-1; one dict per run (and one printed line)."""
+    from pipeline.evaluate import evaluate
+    from pipeline.launch.train import train
+    from pipeline.steps import etl
+
+    manifest = etl(spark, base)
+    report(f"{'seed':>4} {'straggler':>9} {'test acc':>8} {'train loss':>10} {'stale mean':>10} {'stale max':>9} "
+           f"{'s':>6}")
+    results = []
+    for seed in range(runs):
+        cfg, straggler = run_config(base, seed)
+        t0 = time.perf_counter()
+        result = train(spark, cfg, manifest)
+        metrics = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics
+        stats = result.ps_stats or {}
+        loss = result.history[-1].get("train_loss", float("nan")) if result.history else float("nan")
+        row = {"seed": seed, "straggler": cfg.faults.delay_rank if straggler else None,
+               "accuracy": metrics["accuracy"], "train_loss": loss,
+               "staleness_mean": stats.get("staleness_mean", 0.0), "staleness_max": stats.get("staleness_max", 0),
+               "seconds": time.perf_counter() - t0}
+        results.append(row)
+        report(f"{seed:>4} {('rank ' + str(row['straggler'])) if straggler else '-':>9} {row['accuracy']:>8.4f} "
+               f"{loss:>10.4f} {row['staleness_mean']:>10.2f} {row['staleness_max']:>9} {row['seconds']:>6.1f}")
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="async", choices=["async", "ssp", "sync", "average"])
@@ -43,37 +70,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from pipeline.config.loader import load
-    from pipeline.evaluate import evaluate
-    from pipeline.launch.train import train
     from pipeline.session import get_or_create_spark
-    from pipeline.steps import etl
 
     base = load(args.config, [f"ps.mode={args.mode}", f"workdir={args.workdir}", "tracking.log_model=false",
                               "tracking.system_metrics_interval_s=null", *args.overrides])
     spark = get_or_create_spark(base.spark)
     started = time.perf_counter()
-    manifest = etl(spark, base)
     print(f"mode {args.mode}, {args.runs} runs of {Path(args.config).name} "
           f"(lr {base.train.lr}, momentum {base.train.momentum}, staleness_scale {base.ps.staleness_scale}, "
           f"async_momentum {base.ps.async_momentum}); overrides: {' '.join(args.overrides) or 'none'}")
-    print(f"{'seed':>4} {'straggler':>9} {'test acc':>8} {'train loss':>10} {'stale mean':>10} {'stale max':>9} "
-          f"{'s':>6}")
-    accuracies = []
-    for seed in range(args.runs):
-        cfg, straggler = run_config(base, seed)
-        t0 = time.perf_counter()
-        result = train(spark, cfg, manifest)
-        metrics = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics
-        stats = result.ps_stats or {}
-        loss = result.history[-1].get("train_loss", float("nan")) if result.history else float("nan")
-        accuracies.append(metrics["accuracy"])
-        print(f"{seed:>4} {('rank ' + str(cfg.faults.delay_rank)) if straggler else '-':>9} "
-              f"{metrics['accuracy']:>8.4f} {loss:>10.4f} {stats.get('staleness_mean', 0.0):>10.2f} "
-              f"{stats.get('staleness_max', 0):>9} {time.perf_counter() - t0:>6.1f}", flush=True)
+    try:
+        accuracies = [r["accuracy"] for r in stability_runs(spark, base, args.runs,
+                                                            lambda line: print(line, flush=True))]
+    finally:
+        spark.stop()
     low = [a for a in accuracies if a < args.min_accuracy]
     print(f"min {min(accuracies):.4f}  median {statistics.median(accuracies):.4f}  max {max(accuracies):.4f}  "
           f"below {args.min_accuracy}: {len(low)}/{len(accuracies)}  ({time.perf_counter() - started:.0f}s)")
-    spark.stop()
     return 1 if low else 0
 
 
