@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.config.features import FeatureEntry
+from pipeline.config.loss import LossFields
 
 # Seeds feed numpy, torch and Spark hashes: they must fit in a signed 64-bit integer.
 _SEED = {"ge": -2**63, "le": 2**63 - 1}
@@ -201,8 +202,9 @@ class DataConfig(_Section):
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-class ModelConfig(_Section):
-    """The model: a built-in kind or a user factory `package.module:function`."""
+class ModelConfig(_Section, LossFields):
+    """The model: a built-in kind or a user factory `package.module:function`; its loss keys (model.loss,
+    class_weights, label_smoothing, huber_delta, standardize_target) are in pipeline/config/loss.py."""
 
     # mlp (= tabular: an embedding per categorical/text feature, concatenated with the numeric, vector and
     # flattened image features, then the hidden layers), logreg (the same input, one linear layer), cnn (a
@@ -216,45 +218,6 @@ class ModelConfig(_Section):
     # num_features is the classic form: it gets the numeric width and a tensor.
     factory: Optional[str] = None
     factory_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # Training loss (pipeline/models/losses.py): auto (cross_entropy for classification, mse for regression),
-    # cross_entropy, bce (two classes: one logit, torch's BCE with logits), mse, huber, or
-    # "package.module:function" called as function(task=, num_classes=, **loss_kwargs) -> loss(output, target).
-    loss: str = "auto"
-    loss_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # cross_entropy/bce: label smoothing epsilon, as torch's CrossEntropyLoss(label_smoothing=).
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    # cross_entropy/bce: one weight per class in class order, or {label value: weight} (others 1), as torch's
-    # CrossEntropyLoss(weight=) (a weighted mean) and BCEWithLogitsLoss(weight=w[y]) (a plain mean).
-    class_weights: Optional[typing.Union[list[float], dict[str, float]]] = None
-    # huber: the delta, on the standardized target's scale (standardize_target) or the raw one.
-    huber_delta: float = Field(1.0, gt=0)
-    # Regression: train on (y - mean) / std of the train split's targets; the model maps its predictions back
-    # to the label's scale (evaluation, scoring, the MLflow and Spark ML models see raw-scale predictions).
-    standardize_target: bool = True
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_known(cls, value: str) -> str:
-        if value not in ("auto", "cross_entropy", "bce", "mse", "huber") and not _FACTORY.match(value):
-            raise ValueError(f"must be auto, cross_entropy, bce, mse, huber or 'package.module:function', got {value!r}")
-        return value
-
-    @field_validator("class_weights", mode="before")
-    @classmethod
-    def _weights_by_text(cls, value: Any) -> Any:
-        # YAML reads `{0: 2.0}` with integer keys; the keys are label values written as text.
-        if isinstance(value, dict):
-            return {str(k): v for k, v in value.items()}
-        return value
-
-    @field_validator("class_weights")
-    @classmethod
-    def _weights_positive(cls, value: Any) -> Any:
-        weights = list(value.values()) if isinstance(value, dict) else value
-        if weights is not None and (not weights or any(not w > 0 for w in weights)):
-            raise ValueError(f"class weights must be a non-empty list or map of numbers > 0, got {value}")
-        return value
-
     @field_validator("hidden")
     @classmethod
     def _positive_widths(cls, value: list[int]) -> list[int]:
