@@ -32,8 +32,9 @@ def target_moments(manifest: Manifest, split: str = "train") -> tuple[float, flo
             n = len(y)
             if n == 0:
                 continue
-            b_mean = float(y.mean())
-            b_m2 = float(np.square(y - b_mean).sum())
+            with np.errstate(invalid="ignore", over="ignore"):  # a NaN/Inf target is reported below
+                b_mean = float(y.mean())
+                b_m2 = float(np.square(y - b_mean).sum())
             total = count + n
             delta = b_mean - mean
             mean += delta * n / total
