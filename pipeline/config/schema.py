@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.config.features import FeatureEntry
+from pipeline.config.loss import LossFields
 
 # Seeds feed numpy, torch and Spark hashes: they must fit in a signed 64-bit integer.
 _SEED = {"ge": -2**63, "le": 2**63 - 1}
@@ -201,8 +202,9 @@ class DataConfig(_Section):
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-class ModelConfig(_Section):
-    """The model: a built-in kind or a user factory `package.module:function`."""
+class ModelConfig(_Section, LossFields):
+    """The model: a built-in kind or a user factory `package.module:function`; its loss keys (model.loss,
+    class_weights, label_smoothing, huber_delta, standardize_target) are in pipeline/config/loss.py."""
 
     # mlp (= tabular: an embedding per categorical/text feature, concatenated with the numeric, vector and
     # flattened image features, then the hidden layers), logreg (the same input, one linear layer), cnn (a
@@ -216,7 +218,6 @@ class ModelConfig(_Section):
     # num_features is the classic form: it gets the numeric width and a tensor.
     factory: Optional[str] = None
     factory_kwargs: dict[str, Any] = Field(default_factory=dict)
-
     @field_validator("hidden")
     @classmethod
     def _positive_widths(cls, value: list[int]) -> list[int]:
@@ -317,6 +318,12 @@ class PSConfig(_Section):
     # whose executors cannot reach the driver/client). Same protocol, modes and checkpoints; with `task`
     # the final parameters come back as result rows and progress is reported after each attempt.
     placement: Literal["driver", "task"] = "driver"
+    # async/ssp, staleness-aware updates (pipeline/ps/staleness.py documents both rules). staleness_scale:
+    # inverse weighs each gradient by 1/(1+s), s = versions applied since the rank pulled; none = full weight.
+    staleness_scale: Literal["inverse", "none"] = "inverse"
+    # async/ssp server SGD momentum; null: train.momentum less the momentum asynchrony implies
+    # (tau/(1+tau), tau = parallelism.data-1 in async, min(ps.staleness, parallelism.data-1) in ssp).
+    async_momentum: Optional[float] = Field(None, ge=0, lt=1)
 
 
 class TimeoutsConfig(_Section):

@@ -75,6 +75,8 @@ def classification_metrics(total: np.ndarray, num_classes: int) -> tuple[dict[st
     if num_classes == 2 and len(total) == 2 + 4 + 2 * AUC_BINS:
         histograms = total[6:].reshape(2, AUC_BINS)
         metrics["roc_auc"] = roc_auc_from_histograms(histograms[0], histograms[1])
+        # The binary log loss of p(class 1) is the two-class cross-entropy above: named as users look for it.
+        metrics["log_loss"] = metrics["loss"]
     return metrics, confusion
 
 

@@ -42,13 +42,19 @@ def optimizer_spec(cfg: PipelineConfig):
 def consistency(cfg: PipelineConfig):
     from pipeline.ps.modes import Consistency
 
-    return Consistency(mode=cfg.ps.mode, staleness=cfg.ps.staleness, sync_every=cfg.ps.sync_every)
+    return Consistency(mode=cfg.ps.mode, staleness=cfg.ps.staleness, sync_every=cfg.ps.sync_every,
+                       staleness_scale=cfg.ps.staleness_scale)
 
 
 def ps_settings(cfg: PipelineConfig):
     from pipeline.ps import PSSettings
 
-    return PSSettings(optimizer=optimizer_spec(cfg), consistency=consistency(cfg), compression=cfg.ps.compression,
+    from pipeline.ps.staleness import server_optimizer
+
+    # async/ssp: the server's momentum net of what asynchrony implies (ps.async_momentum).
+    optimizer = server_optimizer(optimizer_spec(cfg), cfg.ps.mode, cfg.parallelism.data, cfg.ps.staleness,
+                                 cfg.ps.async_momentum)
+    return PSSettings(optimizer=optimizer, consistency=consistency(cfg), compression=cfg.ps.compression,
                       topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step)
 
 

@@ -65,7 +65,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                         f"parallelism.data x pipeline = {replicas} x {stages} barrier tasks")
     steps = steps_per_epoch(manifest, replicas, cfg.train.batch_size)
     spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
-                      task=manifest.task)
+                      task=manifest.task, labels=manifest.label_mapping, target_scale=_target_scale(cfg, manifest))
     store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints)
     allreduce = cfg.train.backend == "allreduce"
     resumed = latest = None
@@ -116,6 +116,15 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     return TrainResult(spec=spec, parameters=outcome.parameters, history=run.progress.history, ranks=ranks,
                        steps=outcome.version, seconds=seconds, ps_stats=outcome.stats, failed_attempts=failed_attempts,
                        resumed_from_step=None if resumed is None else int(resumed["step"]))
+
+
+def _target_scale(cfg: PipelineConfig, manifest: Manifest) -> Optional[tuple[float, float]]:
+    """Regression with model.standardize_target: the train split's (mean, std) of the target."""
+    if manifest.task != "regression" or not cfg.model.standardize_target:
+        return None
+    from pipeline.shards.target_stats import target_moments
+
+    return target_moments(manifest)
 
 
 def _resume_state(cfg: PipelineConfig, store, manifest: Manifest, spec: ModelSpec, steps: int):

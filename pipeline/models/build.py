@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 from pipeline.config.feature_spec import FeatureSet
 from pipeline.config.schema import ModelConfig
+from pipeline.models.losses import network_outputs, with_head
 
 _ACTIVATIONS = {"relu": "ReLU", "tanh": "Tanh", "gelu": "GELU"}
 
@@ -28,6 +29,11 @@ class ModelSpec:
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
     # FeatureSpec.to_dict() of each feature; empty for a classic spec (num_features packed numeric columns).
     features: tuple[dict[str, Any], ...] = ()
+    # pipeline.models.losses.LossSpec.to_dict() (empty: the task's default loss).
+    loss: dict[str, Any] = field(default_factory=dict)
+    # Regression: (mean, std) of the train split's targets; the network learns the standardized target and
+    # its output head maps back (pipeline.models.losses). None: trained on the raw target.
+    target_scale: Optional[tuple[float, float]] = None
 
     def __post_init__(self):
         if self.features and self.feature_set.numeric_width != self.num_features:
@@ -48,12 +54,22 @@ class ModelSpec:
         data = dict(data)
         data["hidden"] = tuple(data.get("hidden", ()))
         data["features"] = tuple(dict(f) for f in data.get("features", ()))  # absent in specs before typed features
+        if data.get("loss"):
+            from pipeline.models.losses import LossSpec
+
+            data["loss"] = LossSpec.from_dict(data["loss"]).to_dict()
+        if data.get("target_scale") is not None:
+            data["target_scale"] = tuple(float(v) for v in data["target_scale"])
         return cls(**data)
 
 
 def model_spec(config: ModelConfig, *, num_features: Optional[int] = None, features: Optional[FeatureSet] = None,
-               num_classes: Optional[int], task: str) -> ModelSpec:
-    """The spec of ``config``'s model for ``features`` (or, classic, ``num_features`` packed numeric columns)."""
+               num_classes: Optional[int], task: str, labels: Optional[tuple[str, ...]] = None,
+               target_scale: Optional[tuple[float, float]] = None) -> ModelSpec:
+    """The spec of ``config``'s model for ``features`` (or, classic, ``num_features`` packed numeric columns).
+    ``labels``: the class label values (for model.class_weights by label); ``target_scale``: regression's
+    train-split (mean, std), used when model.standardize_target is on."""
+    from pipeline.models.losses import loss_spec
     if features is not None:
         if num_features is not None and num_features != features.numeric_width:
             raise ValueError(f"num_features={num_features} disagrees with the features' numeric width "
@@ -77,7 +93,14 @@ def model_spec(config: ModelConfig, *, num_features: Optional[int] = None, featu
         factory=config.factory,
         factory_kwargs=dict(config.factory_kwargs),
         features=tuple(features.to_list()) if features is not None else (),
+        loss=loss_spec(config, task, _labels(labels, num_classes) if task == "classification" else None).to_dict(),
+        target_scale=(tuple(float(v) for v in target_scale)
+                      if target_scale is not None and task == "regression" and config.standardize_target else None),
     )
+
+
+def _labels(labels: Optional[tuple[str, ...]], num_classes: Optional[int]) -> tuple[str, ...]:
+    return tuple(labels) if labels is not None else tuple(str(i) for i in range(num_classes or 0))
 
 
 def _resolve_factory(path: str) -> Callable[..., Any]:
@@ -143,9 +166,9 @@ def _build_factory(spec: ModelSpec):
                 f"numeric features) but data.features also has {', '.join(others)}; give the factory a "
                 "`features` parameter to receive the FeatureSet, and take the batch dict in forward"
             )
-        model = factory(num_features=spec.num_features, num_outputs=spec.num_outputs, **spec.factory_kwargs)
+        model = factory(num_features=spec.num_features, num_outputs=network_outputs(spec), **spec.factory_kwargs)
     else:
-        model = factory(features=features, num_outputs=spec.num_outputs, **spec.factory_kwargs)
+        model = factory(features=features, num_outputs=network_outputs(spec), **spec.factory_kwargs)
     stages = isinstance(model, (list, tuple)) and bool(model) and all(isinstance(m, nn.Module) for m in model)
     if not (stages or isinstance(model, nn.Module)):
         raise ConfigError(f"model.factory {spec.factory!r} returned {type(model).__name__}, not a torch.nn.Module")
@@ -168,7 +191,7 @@ def head_layers(width: int, spec: ModelSpec) -> list:
         if spec.dropout:
             layers.append(nn.Dropout(spec.dropout))
         width = hidden
-    layers.append(nn.Linear(width, spec.num_outputs))
+    layers.append(nn.Linear(width, network_outputs(spec)))
     return layers
 
 
@@ -181,21 +204,22 @@ def build_model(spec: ModelSpec):
     from pipeline.errors import ConfigError
 
     if spec.kind == "factory":
-        return _build_factory(spec)
+        return with_head(_build_factory(spec), spec)
     if spec.kind == "cnn":
         from pipeline.models.cnn import build_cnn
 
-        return build_cnn(spec.feature_set, lambda width: head_layers(width, spec))
+        return with_head(build_cnn(spec.feature_set, lambda width: head_layers(width, spec)), spec)
     if spec.kind not in ("mlp", "tabular", "logreg"):
         raise ConfigError(f"model.kind {spec.kind!r} is not one of mlp, tabular, logreg, cnn")
     from pipeline.models.inputs import TabularInput
 
     adapter = TabularInput(spec.feature_set)
     if spec.kind == "logreg":
-        layers = [nn.Linear(adapter.out_features, spec.num_outputs)]
+        layers = [nn.Linear(adapter.out_features, network_outputs(spec))]
     else:
         layers = head_layers(adapter.out_features, spec)
-    return nn.Sequential(OrderedDict([("input", adapter)] + [(str(i), m) for i, m in enumerate(layers)]))
+    model = nn.Sequential(OrderedDict([("input", adapter)] + [(str(i), m) for i, m in enumerate(layers)]))
+    return with_head(model, spec)
 
 
 def model_from_flat(spec: dict, parameters):
@@ -215,14 +239,11 @@ def model_from_flat(spec: dict, parameters):
     return model
 
 
-def loss_fn(task: str):
-    """Mean loss over a batch; classification takes int64 class indices, regression float targets."""
-    import torch.nn.functional as F
+def loss_fn(spec: "ModelSpec | str"):
+    """Mean loss over a batch of a ModelSpec (its model.loss, pipeline.models.losses); classification takes
+    int64 class indices, regression float targets. A bare task name gives that task's default loss."""
+    from pipeline.models.losses import make_loss
 
-    if task == "classification":
-        return F.cross_entropy
-
-    def mse(output, target):
-        return F.mse_loss(output.squeeze(-1), target)
-
-    return mse
+    if isinstance(spec, str):
+        spec = ModelSpec(kind="mlp", num_features=1, num_outputs=1 if spec == "regression" else 2, task=spec)
+    return make_loss(spec)

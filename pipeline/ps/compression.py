@@ -138,9 +138,10 @@ class Contribution:
             target.zero_()
             self.add_to(target)
 
-    def add_to(self, target: torch.Tensor) -> None:
-        """Accumulate into an fp32 buffer (dense: promoted add; sparse: index_add, duplicates sum)."""
+    def add_to(self, target: torch.Tensor, alpha: float = 1.0) -> None:
+        """Accumulate ``alpha *`` this push into an fp32 buffer (dense: promoted add; sparse: index_add,
+        duplicates sum)."""
         if self.indices is None:
-            target.add_(self.values)
+            target.add_(self.values, alpha=alpha)
         else:
-            target.index_add_(0, self.indices.long(), self.values)
+            target.index_add_(0, self.indices.long(), self.values, alpha=alpha)

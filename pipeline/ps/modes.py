@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline.errors import PSError
+from pipeline.ps.staleness import check_scale
 
 MODES = ("sync", "async", "ssp", "average")
 MODE_KEY = "ps.mode"
@@ -35,6 +36,9 @@ class Consistency:
     mode: str = "sync"
     staleness: int = 0  # ssp only
     sync_every: int = 1  # average only
+    # async/ssp: how a gradient is weighted by its staleness (``pipeline.ps.staleness``); server-side only,
+    # so not announced in WELCOME. "none" here; the config's ps.staleness_scale defaults to "inverse".
+    staleness_scale: str = "none"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -43,6 +47,7 @@ class Consistency:
             raise PSError(f"ps.staleness must be >= 0, got {self.staleness}")
         if self.sync_every < 1:
             raise PSError(f"ps.sync_every must be >= 1, got {self.sync_every}")
+        check_scale(self.staleness_scale)
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "staleness": self.staleness, "sync_every": self.sync_every}

@@ -11,6 +11,8 @@ mode means for the numbers a PUSH and a PULL carry).
   applied in order, once every rank pushed them; a PULL(c) waits until ``c - slowest <= staleness``.
 * ``async``: each push is applied on arrival as one optimizer step.
 
+In ssp and async each gradient is weighted by its staleness (``ps.staleness_scale``, see ``staleness``).
+
 Every wait has a deadline (``PSSettings.step_timeout``) whose text names the ranks it waited for and
 the key that raises it: a synchronous server must never hang on a dead worker. A rank that failed, or
 finished while peers still need it, fails the waiters at once instead.
@@ -28,6 +30,7 @@ from pipeline.ps.core import ShardCore
 from pipeline.ps.failures import FailureLedger
 from pipeline.ps.messages import NONFINITE, TIMEOUT, Refusal
 from pipeline.ps.modes import Consistency
+from pipeline.ps.staleness import scaled_step, weight
 from pipeline.ps.stats import ShardStats
 from pipeline.wire.deadline import deadline_after
 
@@ -277,7 +280,10 @@ class SspPolicy(_ClockPolicy):
                 raise Refusal(f"rank {conn.rank} pushed clock {step} while the slowest rank is at clock "
                               f"{core.version}: more than ps.staleness={bound} ahead (PULL first)")
             core.wait_not_stepping_locked(f"adding clock {step} of rank {conn.rank}")
-            grad.add_to(self.ring[step % (bound + 1)])
+            # Clock `step` is applied at version `step`: the gradient is that many versions past its pull.
+            stale = step - conn.pulled_version
+            grad.add_to(self.ring[step % (bound + 1)], alpha=weight(self.consistency.staleness_scale, stale))
+            self.stats.staleness_locked(stale)
             self.clock_pushed.setdefault(step, set()).add(conn.rank)
             self.clock[conn.rank] = step + 1
             self.stats.pushed_locked(conn.rank, step)
@@ -360,7 +366,8 @@ class AsyncPolicy(_ClockPolicy):
             base = core.version
             core.grad_sum.zero_()
             grad.add_to(core.grad_sum)
-            if not core.update_locked(self._apply):
+            scale = weight(self.consistency.staleness_scale, base - conn.pulled_version)
+            if not core.update_locked(lambda: self._apply(scale)):
                 raise Refusal(f"generation {conn.generation} was superseded by generation {core.generation}")
             self.clock[conn.rank] = step + 1
             self.stats.pushed_locked(conn.rank, step)
@@ -368,8 +375,8 @@ class AsyncPolicy(_ClockPolicy):
             self.stats.staleness_locked(base - conn.pulled_version)
         return base
 
-    def _apply(self) -> None:
-        self.core.optimizer_step(self.core.grad_sum, 1)
+    def _apply(self, scale: float) -> None:
+        scaled_step(self.core, self.core.grad_sum, 1, scale)
         self.core.grad_sum.zero_()
 
     def pull(self, conn: RankConnection, wanted: int) -> int:

@@ -22,7 +22,8 @@ class ShardStats:
     protocol_errors: int = 0
     last_step_by_rank: dict[int, int] = field(default_factory=dict)
     push_payload_bytes: int = 0  # tensor bytes of PUSH frames: what compression shrinks
-    staleness_max: int = 0  # async: versions applied between a rank's pull and its push being applied
+    # async: versions applied between a rank's pull and its push being applied; ssp: clock minus the version pulled
+    staleness_max: int = 0
     staleness_sum: int = 0
     staleness_count: int = 0
     blocked_pulls: int = 0  # ssp: pulls that had to wait for the slowest rank

@@ -58,7 +58,7 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
         model = build_model(plan.model).to(device)
         group = _process_group(rendezvous, plan, faults, device) if plan.backend == "allreduce" else nullcontext()
         with group, failures_reported(client), LogStream(client, plan.rank) as logs:
-            return _train(plan, client, info, model, loss_fn(plan.task), loader, validation, device, faults,
+            return _train(plan, client, info, model, loss_fn(plan.model), loader, validation, device, faults,
                           logs, started)
 
 

@@ -96,7 +96,7 @@ def _run_stage(plan: WorkerPlan, grid: StagePlan, ps_host: str, ps_port: int, se
         group = _stage_group(rendezvous, grid, faults, device) if plan.backend == "allreduce" else nullcontext()
         with group, _links(plan, grid, secret, wiring) as (prev, nxt):
             gpipe = GPipeStage(module, stage=grid.stage, stages=grid.stages, micro_batches=grid.micro_batches,
-                               prev=prev, next=nxt, loss_fn=loss_fn(plan.task) if grid.is_last else None,
+                               prev=prev, next=nxt, loss_fn=loss_fn(plan.model) if grid.is_last else None,
                                device=torch.device(device))
             # Reported before the links and the group close under the neighbours.
             with failures_reported(client), LogStream(client, plan.rank) as logs:

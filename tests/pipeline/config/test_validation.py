@@ -60,6 +60,8 @@ def _bad_by_type(inner: Any) -> list[tuple[str, str]]:
         return [("[1, 2]", "a list for a mapping"), ('"scalar"', "text for a mapping")]
     if inner is Any:
         return []
+    if origin in (typing.Union, types.UnionType) and {typing.get_origin(a) for a in typing.get_args(inner)} - {None} == {list, dict}:
+        return [('"scalar"', "text for a list or mapping"), ("3", "a number for a list or mapping")]
     raise AssertionError(f"no wrong-type values for {inner!r}: teach _bad_by_type about it")
 
 
