@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.config.features import FeatureEntry
+from pipeline.config.train_options import DivergenceConfig, EarlyStoppingConfig, ScheduleConfig, check_combinations
 
 # Seeds feed numpy, torch and Spark hashes: they must fit in a signed 64-bit integer.
 _SEED = {"ge": -2**63, "le": 2**63 - 1}
@@ -290,6 +291,14 @@ class TrainConfig(_Section):
     # Checkpoint every N applied PS steps (0: only at the end); the newest keep_checkpoints are kept.
     checkpoint_every: int = Field(200, ge=0)
     keep_checkpoints: int = Field(3, ge=1, le=1000)
+    # Training essentials (pipeline/config/train_options.py): lr schedule, clipping of the applied gradient
+    # by global norm (null: off), fp32 | bf16 (autocast, CPU and GPU) | fp16 (autocast + GradScaler, CUDA
+    # only), early stopping on a validation metric, divergence guard.
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    clip_grad_norm: Optional[float] = Field(None, gt=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
+    divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
 
 
 class PSConfig(_Section):
@@ -361,6 +370,11 @@ class FaultsConfig(_Section):
     delay_rank: Optional[int] = Field(None, ge=0)
     delay_ms: float = Field(0.0, ge=0)
     delay_step: int = Field(0, ge=0)
+    # Rank whose loss is multiplied by explode_factor at explode_step (one exploding step: the divergence
+    # guard's drill).
+    explode_rank: Optional[int] = Field(None, ge=0)
+    explode_step: int = Field(0, ge=0)
+    explode_factor: float = Field(1e6, gt=0)
     # Faults fire in the first `attempts` barrier attempts only, so a driver retry can succeed.
     attempts: int = Field(1, ge=1)
 
@@ -420,6 +434,11 @@ class PipelineConfig(_Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)
+
+    @model_validator(mode="after")
+    def _train_options(self) -> "PipelineConfig":
+        check_combinations(self)
+        return self
 
     @model_validator(mode="after")
     def _pipeline_parallel_limits(self) -> "PipelineConfig":

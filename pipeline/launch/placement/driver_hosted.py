@@ -67,7 +67,7 @@ class DriverPS:
         log.info("training %s: %d workers x %d steps/epoch x %d epochs, %d parameters, PS on %s", cfg.name,
                  cfg.parallelism.tasks, run.steps_per_epoch, cfg.train.epochs, run.initial.numel(), host)
         self._secret = new_secret()
-        settings = ps_settings(cfg)
+        settings = ps_settings(cfg, run.steps_per_epoch)
         common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress)
         try:
             if cfg.parallelism.pipeline > 1:
