@@ -6,12 +6,9 @@ their cross-checks change together, so they live here and ``schema.TrainConfig``
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-if TYPE_CHECKING:
-    from pipeline.config.schema import PipelineConfig
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Options(BaseModel):
@@ -58,8 +55,8 @@ class DivergenceConfig(_Options):
     on_divergence: Literal["warn", "fail"] = "warn"
 
 
-def check_combinations(cfg: "PipelineConfig") -> None:
-    """Combinations the essentials do not support, refused with the keys to change (ValueError: pydantic
+def check_combinations(cfg) -> None:
+    """Combinations of a ``schema.PipelineConfig`` (not imported: schema imports this module) the essentials do not support, refused with the keys to change (ValueError: pydantic
     names it as a config error)."""
     train, p = cfg.train, cfg.parallelism
     if train.clip_grad_norm is not None:
