@@ -291,9 +291,7 @@ class TrainConfig(_Section):
     # Checkpoint every N applied PS steps (0: only at the end); the newest keep_checkpoints are kept.
     checkpoint_every: int = Field(200, ge=0)
     keep_checkpoints: int = Field(3, ge=1, le=1000)
-    # Training essentials (pipeline/config/train_options.py): lr schedule, clipping of the applied gradient
-    # by global norm (null: off), fp32 | bf16 (autocast, CPU and GPU) | fp16 (autocast + GradScaler, CUDA
-    # only), early stopping on a validation metric, divergence guard.
+    # lr schedule, clip of the applied gradient's global norm, precision, early stopping, guard: train_options.py
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     clip_grad_norm: Optional[float] = Field(None, gt=0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -370,8 +368,7 @@ class FaultsConfig(_Section):
     delay_rank: Optional[int] = Field(None, ge=0)
     delay_ms: float = Field(0.0, ge=0)
     delay_step: int = Field(0, ge=0)
-    # Rank whose loss is multiplied by explode_factor at explode_step (one exploding step: the divergence
-    # guard's drill).
+    # Rank whose loss is multiplied by explode_factor at explode_step (the divergence guard's drill).
     explode_rank: Optional[int] = Field(None, ge=0)
     explode_step: int = Field(0, ge=0)
     explode_factor: float = Field(1e6, gt=0)
@@ -436,12 +433,8 @@ class PipelineConfig(_Section):
     score: ScoreConfig = Field(default_factory=ScoreConfig)
 
     @model_validator(mode="after")
-    def _train_options(self) -> "PipelineConfig":
-        check_combinations(self)
-        return self
-
-    @model_validator(mode="after")
     def _pipeline_parallel_limits(self) -> "PipelineConfig":
+        check_combinations(self)  # the train.* essentials' own limits
         if self.parallelism.pipeline > 1:
             if self.train.backend == "ps" and self.ps.mode != "sync":
                 raise ValueError(f"parallelism.pipeline > 1 needs ps.mode=sync (got {self.ps.mode}): the stages of "

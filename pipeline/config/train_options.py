@@ -1,18 +1,34 @@
 """The ``train.*`` training-essentials sections: learning-rate schedule, early stopping, divergence guard,
 and the checks of their combinations with the rest of the config.
 
+The two plain keys next to them in ``schema.TrainConfig``:
+``train.clip_grad_norm`` (null: off): clip the gradient that is applied by its global L2 norm — on the
+server, the averaged gradient of a sync/ssp step or each async push (needs ps.shards=1); with allreduce,
+after DDP's average; in average mode, each local step. Not with parallelism.pipeline > 1.
+``train.precision``: fp32, bf16 (autocast of the forward, CPU and GPU) or fp16 (autocast + GradScaler,
+CUDA only: refused on a CPU worker). Not with parallelism.pipeline > 1.
+
 Why a module of their own: the schema module is shared by every part of the config; these sections and
 their cross-checks change together, so they live here and ``schema.TrainConfig`` only names them.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class _Options(BaseModel):
+    """As schema._Section (not importable here: schema imports this module)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float):
+            raise ValueError("a number is expected, not a boolean")
+        return value
 
 
 class ScheduleConfig(_Options):
