@@ -241,8 +241,11 @@ class DriverPS:
         log.warning("the run's model is epoch %d's (step %d, %s %.6g): %s", final.best_epoch + 1, final.best_step,
                     final.metric, final.best_value, final.reason)
         try:
+            # Later checkpoints first: saved after them, the best (lowest step) would be the one pruned.
+            moved = self.run.store.set_aside_after(int(best["step"]))
             info = self.run.store.save(best)
-            log.info("checkpoint of the best epoch: %s", info.path)
+            log.info("checkpoint of the best epoch: %s%s", info.path,
+                     f" ({moved} later checkpoint(s) moved to after_best/)" if moved else "")
         except Exception:  # the model is the result; a failed write only loses the resumable copy
             log.warning("could not write the best epoch's checkpoint to %s", self.run.store.directory, exc_info=True)
         import torch

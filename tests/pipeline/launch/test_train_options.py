@@ -70,7 +70,7 @@ def test_early_stopping_stops_and_keeps_the_best_epoch_as_model_and_newest_check
     cfg, manifest, spe = digits
     # min_delta far over any change: only the first epoch is ever "better", so patience 1 stops after epoch 2
     cfg = with_changes(cfg, train={"early_stopping": {"enabled": True, "metric": "val_loss", "patience": 1,
-                                                      "min_delta": 100.0}})
+                                                      "min_delta": 100.0}, "checkpoint_every": 5})
     result = train(spark, cfg, manifest)
     assert result.stopped["kind"] == "early_stop" and result.stopped["best_epoch"] == 0
     assert result.stopped["best_step"] == spe and result.steps == spe
@@ -78,6 +78,9 @@ def test_early_stopping_stops_and_keeps_the_best_epoch_as_model_and_newest_check
     store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints)
     newest = store.load(store.latest())
     assert newest["step"] == spe and torch.equal(newest["ps"]["params"], result.parameters)
+    # periodic checkpoints past the best epoch are set aside, so a --resume continues from the best
+    assert all(info.step <= spe for info in store.list())
+    assert CheckpointStore(f"{store.directory}/after_best", 10).list(), "the later checkpoints were moved, not lost"
 
 
 def test_an_exploding_step_triggers_the_guard_and_the_run_keeps_and_tags_the_best_epoch(spark, digits, fp32_accuracy):
