@@ -1,7 +1,7 @@
 """What each training essential costs per step, side by side with the plain step.
 
     .venv/bin/python bench/train_options_bench.py [--features 64] [--hidden 256 256] [--batch 256]
-        [--params 1000000] [--steps 30] [--repeat 5] [--device cpu|cuda]
+        [--params 1000000] [--steps 30] [--repeat 5] [--device cpu|cuda] [--threads 1]
 
 No Spark, no sockets: the two places a step's time goes, measured in this process.
 
@@ -169,8 +169,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared "
+                                                                 "machine, as a Spark task slot runs)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
     result = run(args)
     print(report(result, args))
     if args.json:
