@@ -24,8 +24,8 @@ from pipeline.errors import PSError
 from pipeline.ps.connection import RankConnection
 from pipeline.ps.messages import TIMEOUT, Refusal
 from pipeline.ps.optim import FusedSGD, build_optimizer
-from pipeline.ps.schedule import attach_schedule, clip_
 from pipeline.ps.protocol import MsgType
+from pipeline.ps.schedule import attach_schedule, clip_
 from pipeline.ps.settings import PSSettings
 from pipeline.wire.deadline import deadline_after
 from pipeline.wire.frames import U32_MAX
