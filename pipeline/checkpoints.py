@@ -66,6 +66,16 @@ class CheckpointStore:
             self._fs.mv(info.path, f"{archive}/{info.path.rsplit('/', 1)[-1]}")
         return len(found)
 
+    def set_aside_after(self, step: int, folder: str = "after_best") -> int:
+        """Move checkpoints past ``step`` into ``folder/`` (early stopping / the divergence guard keep an
+        earlier epoch: a --resume must continue from it, not from the states after it). Returns how many."""
+        later = [info for info in self.list() if info.step > step]
+        if later:
+            self._fs.makedirs(f"{self._root}/{folder}", exist_ok=True)
+        for info in later:
+            self._fs.mv(info.path, f"{self._root}/{folder}/{info.path.rsplit('/', 1)[-1]}")
+        return len(later)
+
     def latest(self) -> Optional[CheckpointInfo]:
         found = self.list()
         return found[-1] if found else None

@@ -54,6 +54,11 @@ class NonFiniteError(PSError):
     """A loss or gradient held NaN/Inf. A retry would replay the same numbers, so it is not retried."""
 
 
+class DivergedError(ShardlineError):
+    """Training diverged (a non-finite loss, or a loss over train.divergence.factor x the best epoch's) and
+    train.divergence.on_divergence is ``fail``; the MLflow run is tagged shardline.diverged first."""
+
+
 class ModelInputError(ShardlineError):
     """The model (built-in or a model.factory's) raised on its input batch; a retry would too."""
 

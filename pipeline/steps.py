@@ -149,6 +149,9 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     if result.failed_attempts:
         run.set_tags({"shardline.failed_attempts": str(len(result.failed_attempts))})
     run.log_history(result.history)
+    from pipeline.launch.monitor import report_stop
+
+    report_stop(run, cfg, result.stopped)  # best-epoch tags; a divergence with on_divergence=fail raises here
     run.log_metrics({"train_seconds": result.seconds, "train_steps": result.steps,
                      "train_samples_per_s": sum(r["samples"] for r in result.ranks) / max(result.seconds, 1e-9)})
     saved = _save_model(cfg, result, run.run_id)

@@ -31,12 +31,20 @@ def failed_attempt_grace(cfg: PipelineConfig) -> Timeout:
     return step.shorter(ALLREDUCE_GRACE_S) if cfg.train.backend == "allreduce" else step
 
 
-def optimizer_spec(cfg: PipelineConfig):
+def optimizer_spec(cfg: PipelineConfig, steps_per_epoch: int = 1, *, server: bool = False):
+    """The optimizer of the server (``server``: its schedule counts versions) or of a worker's local
+    optimizer (average, allreduce: its schedule counts the rank's own steps)."""
     from pipeline.ps import OptimizerSpec
+    from pipeline.ps.modes import expected_version
+    from pipeline.ps.schedule import schedule_spec
 
     t = cfg.train
+    total = steps_per_epoch * t.epochs
+    if server:
+        total = expected_version(consistency(cfg), total, cfg.parallelism.data)
     return OptimizerSpec(name=t.optimizer, lr=t.lr, momentum=t.momentum if t.optimizer == "sgd" else 0.0,
-                         weight_decay=t.weight_decay)
+                         weight_decay=t.weight_decay, schedule=schedule_spec(cfg, total),
+                         clip_grad_norm=t.clip_grad_norm)
 
 
 def consistency(cfg: PipelineConfig):
@@ -46,14 +54,14 @@ def consistency(cfg: PipelineConfig):
                        staleness_scale=cfg.ps.staleness_scale)
 
 
-def ps_settings(cfg: PipelineConfig):
+def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1):
     from pipeline.ps import PSSettings
 
     from pipeline.ps.staleness import server_optimizer
 
     # async/ssp: the server's momentum net of what asynchrony implies (ps.async_momentum).
-    optimizer = server_optimizer(optimizer_spec(cfg), cfg.ps.mode, cfg.parallelism.data, cfg.ps.staleness,
-                                 cfg.ps.async_momentum)
+    optimizer = server_optimizer(optimizer_spec(cfg, steps_per_epoch, server=True), cfg.ps.mode,
+                                 cfg.parallelism.data, cfg.ps.staleness, cfg.ps.async_momentum)
     return PSSettings(optimizer=optimizer, consistency=consistency(cfg), compression=cfg.ps.compression,
                       topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step)
 
@@ -65,7 +73,8 @@ def fault_plan(cfg: PipelineConfig, attempt: int) -> FaultPlan:
         return FaultPlan()
     return FaultPlan(fail_rank=f.fail_rank, fail_step=f.fail_step, fail_in_rendezvous=f.fail_in_rendezvous,
                      kill_rank=f.kill_rank, kill_step=f.kill_step, delay_rank=f.delay_rank, delay_ms=f.delay_ms,
-                     delay_step=f.delay_step)
+                     delay_step=f.delay_step, explode_rank=f.explode_rank, explode_step=f.explode_step,
+                     explode_factor=f.explode_factor)
 
 
 def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, generation: int,
@@ -74,7 +83,7 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
     has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
     validation = tuple(manifest.files("validation")) if has_validation else ()
     stages, faults, waits = cfg.parallelism.pipeline, fault_plan(cfg, attempt), deadlines(cfg)
-    optimizer = optimizer_spec(cfg)
+    optimizer = optimizer_spec(cfg, steps)
     cuts = tuple(cfg.parallelism.cuts) if cfg.parallelism.cuts else None
 
     def plan(rank: int) -> WorkerPlan:
@@ -96,6 +105,7 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
             validation_files=validation if rank == 0 and stages == 1 else (),
             model=spec, features_field=manifest.features_field, label_field=manifest.label_field,
             epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
-            optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits)
+            optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits,
+            precision=cfg.train.precision)
 
     return [plan(rank) for rank in range(cfg.parallelism.tasks)]

@@ -38,6 +38,8 @@ class TrainResult:
     # One entry per failed barrier attempt that was retried: attempt, root-cause ranks, error, step.
     failed_attempts: list[dict] = field(default_factory=list)
     resumed_from_step: Optional[int] = None
+    # Set when the model is the best epoch's (early stop, divergence guard): launch.monitor.StopInfo fields.
+    stopped: Optional[dict] = None
 
     def model(self):
         """The merged model: a fresh module holding the final parameters."""
@@ -115,7 +117,8 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                        for r in ranks))
     return TrainResult(spec=spec, parameters=outcome.parameters, history=run.progress.history, ranks=ranks,
                        steps=outcome.version, seconds=seconds, ps_stats=outcome.stats, failed_attempts=failed_attempts,
-                       resumed_from_step=None if resumed is None else int(resumed["step"]))
+                       resumed_from_step=None if resumed is None else int(resumed["step"]),
+                       stopped=outcome.stopped)
 
 
 def _target_scale(cfg: PipelineConfig, manifest: Manifest) -> Optional[tuple[float, float]]:

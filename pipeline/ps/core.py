@@ -25,6 +25,7 @@ from pipeline.ps.connection import RankConnection
 from pipeline.ps.messages import TIMEOUT, Refusal
 from pipeline.ps.optim import FusedSGD, build_optimizer
 from pipeline.ps.protocol import MsgType
+from pipeline.ps.schedule import attach_schedule, clip_
 from pipeline.ps.settings import PSSettings
 from pipeline.wire.deadline import deadline_after
 from pipeline.wire.frames import U32_MAX
@@ -53,6 +54,8 @@ class ShardCore:
         self.optimizer_spec = settings.optimizer
         self.optimizer = build_optimizer(settings.optimizer, self.flat)
         self._fused_sgd = FusedSGD.for_optimizer(self.optimizer)
+        self._schedule = attach_schedule(self.optimizer, settings.optimizer.schedule)
+        self.last_grad_norm: float | None = None  # the applied gradient's norm before clipping
 
         self.version = 0
         self.generation = generation
@@ -87,6 +90,10 @@ class ShardCore:
         if divisor != 1:
             grad_sum.div_(divisor)
         self.flat.grad = grad_sum
+        if self._schedule is not None:
+            self._schedule.at(self.version)  # the rate of applied step `version`, however it got there
+        # Clipped here, on the averaged gradient the server applies (train.clip_grad_norm; ps.shards=1).
+        self.last_grad_norm = clip_([self.flat], self.optimizer_spec.clip_grad_norm)
         if self._fused_sgd is not None:
             self._fused_sgd.step(self.flat.detach(), grad_sum)
         else:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.errors import ConfigError
+from pipeline.ps.schedule import ScheduleSpec
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ class OptimizerSpec:
     momentum: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    # train.schedule over the applied steps (None: constant lr) and train.clip_grad_norm (None: off).
+    schedule: ScheduleSpec | None = None
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         # Validated here so a bad spec fails on the driver before any worker is launched.
@@ -90,7 +94,8 @@ class FusedSGD:
 
     def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """One SGD step of ``param`` (a detached view of the optimizer's parameter) with ``grad``."""
-        group = self.group
+        # Read each step: load_state_dict (a restore) replaces the group dicts, and a schedule sets lr there.
+        group = self.group = self.optimizer.param_groups[0]
         lr, momentum, dampening, weight_decay = (group["lr"], group["momentum"], group["dampening"],
                                                  group["weight_decay"])
         if isinstance(lr, torch.Tensor) or isinstance(weight_decay, torch.Tensor) or group.get("nesterov") \

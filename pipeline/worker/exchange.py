@@ -50,9 +50,12 @@ class Exchange:
     does this mode's PS work for one step and returns the next step number."""
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: OptimizerSpec) -> None:
+                 optimizer: OptimizerSpec, precision=None) -> None:
         import torch
 
+        from pipeline.worker.precision import Precision
+
+        self.precision = precision or Precision()
         self.client = client
         self.info = info
         self.model = model
@@ -88,7 +91,9 @@ class Exchange:
     def _gradients(self) -> torch.Tensor:
         from pipeline.models.flat import flat_gradients
 
-        return flat_gradients(self.model, out=self.grad)
+        finite = self.precision.unscale_for_push(self.model)  # fp16: true gradients, or zeros on overflow
+        grad = flat_gradients(self.model, out=self.grad)
+        return grad if finite else grad.zero_()
 
     def start(self) -> int:
         raise NotImplementedError
@@ -144,11 +149,11 @@ class AverageExchange(Exchange):
     ``local - last average`` and continue from the new average. Local optimizer state is kept."""
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: OptimizerSpec) -> None:
-        super().__init__(client, info, model, total_steps, optimizer)
-        from pipeline.ps.optim import build_optimizer
+                 optimizer: OptimizerSpec, precision=None) -> None:
+        super().__init__(client, info, model, total_steps, optimizer, precision)
+        from pipeline.worker.precision import LocalOptimizer
 
-        self.optimizer = build_optimizer(optimizer, list(model.parameters()))
+        self.optimizer = LocalOptimizer(optimizer, model.parameters(), self.precision)
         self.base = self.grad.clone()
         self.local_steps = 0
         self.round = 0
@@ -164,7 +169,7 @@ class AverageExchange(Exchange):
     def after_backward(self, step: int) -> int:
         from pipeline.ps.modes import is_sync_point
 
-        self.optimizer.step()
+        self.optimizer.step(self.local_steps)
         self.local_steps += 1
         if is_sync_point(self.local_steps, self.total_steps, self.info.sync_every):
             delta = _flat_parameters_into(self.model, self.grad).sub_(self.base)
@@ -180,11 +185,12 @@ class AllreduceExchange(Exchange):
     the replicas stay identical. The PS connection only carries metrics and failures."""
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: OptimizerSpec) -> None:
-        super().__init__(client, info, model, total_steps, optimizer)
-        from pipeline.ps.optim import build_optimizer
+                 optimizer: OptimizerSpec, precision=None) -> None:
+        super().__init__(client, info, model, total_steps, optimizer, precision)
+        from pipeline.worker.precision import LocalOptimizer
 
-        self.optimizer = build_optimizer(optimizer, list(model.parameters()))
+        # Steps after DDP's allreduce: clipping sees the averaged gradient, the same on every replica.
+        self.optimizer = LocalOptimizer(optimizer, model.parameters(), self.precision)
 
     def start(self) -> int:
         # Every replica starts from the server's initial parameters (DDP also broadcasts rank 0's).
@@ -192,7 +198,7 @@ class AllreduceExchange(Exchange):
         return 0
 
     def after_backward(self, step: int) -> int:
-        self.optimizer.step()
+        self.optimizer.step(step)
         self.stats.record(0)
         return step + 1
 
@@ -215,12 +221,12 @@ EXCHANGES: dict[str, type[Exchange]] = {"sync": SyncExchange, "ssp": SspExchange
 
 
 def make_exchange(client: PSClient, info: ServerInfo, model, total_steps: int, optimizer: OptimizerSpec,
-                  backend: str = "ps") -> Exchange:
+                  backend: str = "ps", precision=None) -> Exchange:
     if backend == "allreduce":
-        return AllreduceExchange(client, info, model, total_steps, optimizer)
+        return AllreduceExchange(client, info, model, total_steps, optimizer, precision)
     try:
         cls = EXCHANGES[info.mode]
     except KeyError:
         raise ValueError(f"the parameter server runs ps.mode={info.mode!r}, which this worker does not know; "
                          "driver and workers must run the same shardline version") from None
-    return cls(client, info, model, total_steps, optimizer)
+    return cls(client, info, model, total_steps, optimizer, precision)

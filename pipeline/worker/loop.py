@@ -76,12 +76,14 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
     import torch
 
     from pipeline.worker.exchange import make_exchange
+    from pipeline.worker.precision import Precision
 
+    precision = Precision(plan.precision, device)  # fp16 on a CPU worker fails here, naming the key
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
     samples = 0
     last_loss = float("nan")
     exchange = make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer,
-                             plan.backend)
+                             plan.backend, precision)
     step = exchange.start()
     forward = model
     if plan.backend == "allreduce":
@@ -107,13 +109,14 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
             for p in model.parameters():
                 p.grad = None
             try:
-                batch_loss = loss(forward(x), y)
+                with precision.autocast():
+                    batch_loss = faults.exploding(step, loss(forward(x), y))
             except Exception as exc:
                 if keeps_its_type(exc):
                     raise
                 raise model_input_error(exc, plan.model, rank=plan.rank, step=step, epoch=epoch,
                                         inputs=batch_inputs(x, y)) from exc
-            batch_loss.backward()
+            precision.backward(batch_loss)
             # The one device sync of a step, taken before the exchange: a NaN/Inf loss stops here,
             # before its gradient reaches the server or the replicas step on it.
             value = batch_loss.item()

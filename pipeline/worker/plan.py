@@ -41,6 +41,10 @@ class FaultPlan:
     # Test hook: one rank sleeps slow_s before every step (e.g. to exercise ssp's staleness bound).
     slow_rank: Optional[int] = None
     slow_s: float = 0.0
+    # faults.explode_*: the rank's loss times explode_factor at explode_step (the divergence guard's drill).
+    explode_rank: Optional[int] = None
+    explode_step: int = 0
+    explode_factor: float = 1e6
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class WorkerPlan:
     backend: str = "ps"  # train.backend: ps | allreduce
     stage: Optional[StagePlan] = None  # set only with parallelism.pipeline > 1
     deadlines: Deadlines = field(default_factory=Deadlines)
+    precision: str = "fp32"  # train.precision: fp32 | bf16 | fp16
 
     @property
     def task(self) -> str:

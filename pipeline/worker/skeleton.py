@@ -191,6 +191,15 @@ class FaultHooks:
         if faults.slow_rank == rank:
             time.sleep(faults.slow_s)
 
+    def exploding(self, step: int, loss):
+        """``loss``, times faults.explode_factor on faults.explode_rank at faults.explode_step (one
+        exploding step, whose gradient is that much larger: the divergence guard's drill)."""
+        faults = self.faults
+        if faults.explode_rank == self.rank and step == faults.explode_step:
+            log.warning("rank %d: faults.explode_rank: loss x %g at step %d", self.rank, faults.explode_factor, step)
+            return loss * faults.explode_factor
+        return loss
+
     def joining_group(self) -> None:
         """Before joining an allreduce process group (faults.fail_in_rendezvous)."""
         if self.faults.fail_in_rendezvous and self.faults.fail_rank == self.rank:

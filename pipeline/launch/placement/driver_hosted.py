@@ -56,6 +56,7 @@ class DriverPS:
         self._secret = None
         self._checkpointer = None
         self._bar = None
+        self.monitor = None  # train.early_stopping / train.divergence (launch/monitor.py)
 
     def __enter__(self) -> "DriverPS":
         from pipeline.checkpoints import Checkpointer
@@ -67,7 +68,7 @@ class DriverPS:
         log.info("training %s: %d workers x %d steps/epoch x %d epochs, %d parameters, PS on %s", cfg.name,
                  cfg.parallelism.tasks, run.steps_per_epoch, cfg.train.epochs, run.initial.numel(), host)
         self._secret = new_secret()
-        settings = ps_settings(cfg)
+        settings = ps_settings(cfg, run.steps_per_epoch)
         common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress)
         try:
             if cfg.parallelism.pipeline > 1:
@@ -90,6 +91,9 @@ class DriverPS:
                 run.store, self._snapshot, lambda: self.server.version, cfg.train.checkpoint_every,
                 enabled=not run.allreduce))
             self._bar = StepProgress(lambda: self.server.version, run.expected_version)
+            from pipeline.launch.monitor import training_monitor
+
+            self.monitor = training_monitor(cfg, snapshot=self._best_snapshot, abort=self.server.fail)
         except BaseException:
             self._stack.close()
             raise
@@ -99,8 +103,20 @@ class DriverPS:
         self._stack.close()
 
     def on_epoch(self, row: dict) -> None:
+        from pipeline.launch.monitor import epoch_lr
+
+        lr = epoch_lr(self.run.cfg, row, self.server.version, self.run.steps_per_epoch)
+        if lr is not None:
+            row["lr"] = lr  # the row is the history's: the rate reaches the epoch metrics and the curves
         if self._bar is not None:
             self._bar.update_loss(row)
+        if self.monitor is not None:
+            self.monitor.on_epoch(row)
+
+    def _best_snapshot(self) -> dict:
+        """The PS state now (an epoch just completed), with the epoch reports and the run's record."""
+        return {"step": int(self.server.version), "ps": self.server.state_dict(), **self.run.progress.reports(),
+                **self.run.checkpoint_meta.record()}
 
     def _snapshot(self) -> dict:
         from pipeline.launch.ps_side.snapshot import take_snapshot
@@ -122,9 +138,14 @@ class DriverPS:
         watchdog = StageWatchdog(server, cfg.parallelism.tasks, connect_timeout_s=deadlines(cfg).connect,
                                  grace_s=failed_attempt_grace(cfg), cancel=lambda reason: interrupt(run.spark, tag))
         log.info("barrier attempt %d (generation %d) from step %d", attempt, server.generation, server.version)
-        rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.tasks, tag=tag, guards=(watchdog, self._bar),
-                               on_job_error=lambda exc: self._job_failure(exc, attempt, watchdog))
-        raise_for_failed_rows(rows, list(server.root_failures), attempt, first_cause_only=run.allreduce)
+        try:
+            rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.tasks, tag=tag, guards=(watchdog, self._bar),
+                                   on_job_error=lambda exc: self._job_failure(exc, attempt, watchdog))
+            raise_for_failed_rows(rows, list(server.root_failures), attempt, first_cause_only=run.allreduce)
+        except WorkerTrainingFailedError as failure:
+            if self.monitor is not None and self.monitor.accounts_for(failure):
+                return []  # the monitor stopped training (or the guard took a NaN): the best epoch is the result
+            raise
         return rows
 
     def _job_failure(self, exc: BaseException, attempt: int, watchdog) -> WorkerTrainingFailedError:
@@ -202,6 +223,9 @@ class DriverPS:
         from pipeline.launch.merge import replica_outcome
 
         run = self.run
+        final = self.monitor.final() if self.monitor is not None else None
+        if final is not None:
+            return self._best_outcome(final, rows)
         if run.allreduce:
             parameters, version, expected = replica_outcome(rows, run.initial.numel(), run.cfg.parallelism.pipeline,
                                                             run.steps_per_epoch * run.cfg.train.epochs)
@@ -210,3 +234,23 @@ class DriverPS:
         stats = dict(self.server.stats)
         self._checkpointer.save("end of training")
         return Outcome(parameters, version, expected, stats, rows)
+
+    def _best_outcome(self, final, rows: list[dict]) -> Outcome:
+        """The best epoch's parameters as the run's result; its state is also the newest checkpoint."""
+        best = self.monitor.best
+        log.warning("the run's model is epoch %d's (step %d, %s %.6g): %s", final.best_epoch + 1, final.best_step,
+                    final.metric, final.best_value, final.reason)
+        try:
+            # Later checkpoints first: saved after them, the best (lowest step) would be the one pruned.
+            moved = self.run.store.set_aside_after(int(best["step"]))
+            info = self.run.store.save(best)
+            log.info("checkpoint of the best epoch: %s%s", info.path,
+                     f" ({moved} later checkpoint(s) moved to after_best/)" if moved else "")
+        except Exception:  # the model is the result; a failed write only loses the resumable copy
+            log.warning("could not write the best epoch's checkpoint to %s", self.run.store.directory, exc_info=True)
+        import torch
+
+        ps = best["ps"]  # a staged server's state holds one state per stage
+        parameters = ps["params"] if "params" in ps else torch.cat([st["params"] for st in ps["stages"]])
+        step = int(best["step"])
+        return Outcome(parameters, step, step, dict(self.server.stats), rows, stopped=final.to_dict())

@@ -46,4 +46,6 @@ class Outcome:
     expected: int
     stats: dict
     rows: list[dict]
+    # train.early_stopping / train.divergence: why the result is the best epoch's (StopInfo.to_dict()).
+    stopped: Optional[dict] = None
 

@@ -48,7 +48,7 @@ class TaskPS:
         waits = deadlines(cfg)
         warm = run.initial.detach().cpu().float().reshape(-1).contiguous().numpy().tobytes() if run.warm_started else None
         return HostedPSSpec(
-            world_size=cfg.parallelism.data, generation=attempt, settings=ps_settings(cfg), backend=cfg.train.backend, grace=failed_attempt_grace(cfg),
+            world_size=cfg.parallelism.data, generation=attempt, settings=ps_settings(cfg, run.steps_per_epoch), backend=cfg.train.backend, grace=failed_attempt_grace(cfg),
             connect=waits.connect, peers=waits.step, model=run.spec,
             checkpoint_dir=run.store.directory, keep_checkpoints=cfg.train.keep_checkpoints,
             checkpoint_every=cfg.train.checkpoint_every,
