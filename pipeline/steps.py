@@ -168,10 +168,10 @@ def _log_model(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, parame
     """The self-contained served model: raw source columns in, label values and probabilities out."""
     if not cfg.tracking.log_model:
         return None
-    from pipeline.models import build_model, load_flat_parameters
+    from pipeline.models import build_model, load_flat_state
 
     model = build_model(spec)
-    load_flat_parameters(model, parameters)
+    load_flat_state(model, parameters)
     model.eval()
     labels = list(manifest.label_mapping) if manifest.task == "classification" else None
     return run.log_model(model, manifest.feature_set, manifest.vocabulary_files(), manifest.task, labels,

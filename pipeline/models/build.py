@@ -204,13 +204,13 @@ def model_from_flat(spec: dict, parameters):
     import numpy as np
     import torch
 
-    from pipeline.models.flat import load_flat_parameters
+    from pipeline.models.state import load_flat_state
 
     value = parameters.value if hasattr(parameters, "value") else parameters
     flat = (np.frombuffer(value, dtype=np.float32) if isinstance(value, (bytes, bytearray, memoryview))
             else np.asarray(value, dtype=np.float32))
     model = build_model(ModelSpec.from_dict(spec))
-    load_flat_parameters(model, torch.from_numpy(flat.copy()))
+    load_flat_state(model, torch.from_numpy(flat.copy()))
     model.eval()
     return model
 

@@ -76,9 +76,11 @@ class DriverPS:
                 ranges = stage_ranges(run)
                 log.info("pipeline parallelism: %d replicas x %d stages (parameter slices %s), %d micro-batches",
                          cfg.parallelism.data, cfg.parallelism.pipeline, ranges, cfg.parallelism.micro_batches)
-                server = StagedParameterServer(run.initial, ranges, settings, replicas=cfg.parallelism.data, **common)
+                server = StagedParameterServer(run.initial, ranges, settings, replicas=cfg.parallelism.data,
+                                               stage_buffers=run.stage_buffer_stores(), **common)
             else:
-                server = ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks, **common)
+                server = ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks,
+                                         buffers=run.buffer_store(), **common)
             self.server = self._stack.enter_context(server)
             if run.resumed is not None:
                 self.server.load_state_dict(run.resumed["ps"])
@@ -199,14 +201,16 @@ class DriverPS:
             run.steps_per_epoch, cfg.train.epochs))
 
     def outcome(self, rows: list[dict]) -> Outcome:
-        from pipeline.launch.merge import replica_outcome
+        from pipeline.launch.merge import replica_buffers, replica_outcome
 
         run = self.run
         if run.allreduce:
             parameters, version, expected = replica_outcome(rows, run.initial.numel(), run.cfg.parallelism.pipeline,
                                                             run.steps_per_epoch * run.cfg.train.epochs)
+            buffers = replica_buffers(rows, run.initial_buffers.numel(), run.cfg.parallelism.pipeline)
         else:
             parameters, version, expected = self.server.parameters(), self.server.version, run.expected_version
+            buffers = self.server.buffers()  # every rank pushed its buffers after its last epoch
         stats = dict(self.server.stats)
         self._checkpointer.save("end of training")
-        return Outcome(parameters, version, expected, stats, rows)
+        return Outcome(parameters, version, expected, stats, rows, buffers)
