@@ -8,6 +8,8 @@ training — where the server keeps each rank's latest copy. The merged buffers 
 final model and a new attempt's workers get) are ``merge_buffers`` of those copies: floating-point
 buffers averaged over the replicas, integer buffers (``num_batches_tracked``) taken from the lowest rank.
 Until a rank has reported, the merged buffers are the base: the initial model's, or a checkpoint's.
+The server knows no model: the merge is handed in (``functools.partial(merge_buffers, layout)``) by
+whoever built the model, and the server only checks word counts.
 
 A new attempt (generation) folds the reports into the base, so its workers start from the merged buffers
 of the last epoch end the old attempt reached and no stale rank copy outlives it.
@@ -16,14 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from pipeline.errors import PSError
 
 if TYPE_CHECKING:  # torch stays out of module import time
     import torch
-
-    from pipeline.models.state import BufferLayout
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +31,14 @@ logger = logging.getLogger(__name__)
 class BufferStore:
     """Per-rank buffer reports and their merge, for one server (shard 0 of a ParameterServer)."""
 
-    def __init__(self, layout: BufferLayout, initial: torch.Tensor) -> None:
+    def __init__(self, initial: torch.Tensor, merge: Callable[[Mapping[int, torch.Tensor]], torch.Tensor]) -> None:
         import torch
 
-        from pipeline.models.state import layout_slots
-
-        self.layout = tuple(layout)
-        self.words = layout_slots(self.layout)
         base = initial.detach().reshape(-1).to("cpu")
-        if base.dtype is not torch.float32 or base.numel() != self.words:
-            raise PSError(f"initial buffers: {self.words} fp32 words expected, got {base.numel()} {base.dtype}")
+        self.words = base.numel()
+        self._merge = merge
+        if base.dtype is not torch.float32 or not self.words:
+            raise PSError(f"initial buffers must be a non-empty fp32 word vector, got {base.numel()} {base.dtype}")
         self._base = base.clone()
         self._reports: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -54,13 +52,14 @@ class BufferStore:
 
     def merged(self) -> torch.Tensor:
         """The merged buffers (a new tensor): the reports merged, or the base before any report."""
-        from pipeline.models.state import merge_buffers
-
         with self._lock:
             reports = dict(self._reports)
             if not reports:
                 return self._base.clone()
-        return merge_buffers(self.layout, reports)
+        merged = self._merge(reports)
+        if merged.numel() != self.words:
+            raise PSError(f"the buffer merge returned {merged.numel()} words, expected {self.words}")
+        return merged
 
     @property
     def reported_ranks(self) -> set[int]:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError, is_retryable
+from pipeline.ps.buffer_requests import BufferRequests
 from pipeline.ps.compression import Compressor
 from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo, parse_welcome
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
@@ -65,7 +66,7 @@ def _pull_wait(timeout: Timeout) -> Timeout:
     return dataclasses.replace(timeout, seconds=timeout.seconds + max(0.5, 0.25 * timeout.seconds))
 
 
-class PSClient:
+class PSClient(BufferRequests):
     """Blocking client of one worker rank. Context manager: connects on enter, closes on exit
     (sending a best-effort FAIL if the block raised). Call ``finish()`` when training is done;
     closing without it is recorded by the server as a failure of this rank.
@@ -312,45 +313,6 @@ class PSClient:
             MsgType.METRICS, dict(metrics), generation=self.generation, rank=self.rank,
             timeout=self.timeout_s), what)
         self._gather(links, MsgType.ACK, what, self.step_timeout, lambda link, header: header.step)
-
-    def push_buffers(self, step: int, words: torch.Tensor) -> None:
-        """Send this rank's model buffers (fp32 words, ``pipeline.models.state``) to shard 0, which keeps
-        them, and wait for its ACK. Only for a server that announced ``buffer_words``."""
-        links = self._require()[:1]
-        expected = self._buffer_words("push")
-        flat = words.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-        if flat.numel() != expected:
-            raise PSError(f"rank {self.rank} has {flat.numel()} buffer words, the server keeps {expected}; "
-                          "driver and workers built different models")
-        what = "the ACK of this rank's buffers"
-        self._send_all(links, lambda link: link.channel.send_tensor(
-            MsgType.BUFFERS, flat, generation=self.generation, rank=self.rank, step=step,
-            timeout=self.timeout_s), what)
-        self._gather(links, MsgType.ACK, what, self.step_timeout, lambda link, header: header.step)
-
-    def pull_buffers(self) -> torch.Tensor:
-        """The server's merged model buffers (a new fp32 tensor of ``buffer_words`` words)."""
-        links = self._require()[:1]
-        expected = self._buffer_words("pull")
-        out = bytearray(expected * 4)
-        what = "the merged model buffers"
-
-        def receive(link: _Link, header: Header) -> int:
-            if header.count != expected:
-                raise ProtocolError(f"BUFFERS of {header.count} words from the server, expected {expected}")
-            link.channel.recv_into(header, out, deadline_after(self.step_timeout))
-            return header.step
-
-        self._send_all(links, lambda link: link.channel.send_empty(
-            MsgType.PULL_BUFFERS, generation=self.generation, rank=self.rank, timeout=self.timeout_s), what)
-        self._gather(links, MsgType.BUFFERS, what, self.step_timeout, receive)
-        return torch.frombuffer(out, dtype=torch.float32, count=expected) if expected else torch.empty(0)
-
-    def _buffer_words(self, verb: str) -> int:
-        assert self._info is not None
-        if not self._info.buffer_words:
-            raise PSError(f"rank {self.rank} cannot {verb} model buffers: the server keeps none")
-        return self._info.buffer_words
 
     def fail(self, error: str, log_tail: str = "", retryable: bool = True) -> None:
         """Tell every shard this rank failed, so its peers stop waiting at once; ``retryable`` False:

@@ -42,26 +42,25 @@ class TrainingRun:
     def buffer_store(self):
         """The server's store of the whole model's buffers, or None when the model has none."""
         from pipeline.models import build_model
-        from pipeline.models.state import buffer_layout
-        from pipeline.ps.buffers import BufferStore
+
+        from pipeline.launch.ps_side.buffers import buffer_store
 
         if not self.initial_buffers.numel():
             return None
-        return BufferStore(buffer_layout(build_model(self.spec)), self.initial_buffers)
+        return buffer_store(build_model(self.spec), self.initial_buffers)
 
     def stage_buffer_stores(self) -> list:
         """Pipeline stages: each stage's buffers, a store per stage server (None for a stage without)."""
         from pipeline.models import build_model
+        from pipeline.launch.ps_side.buffers import buffer_store
         from pipeline.models.state import buffer_layout, layout_slots
-        from pipeline.ps.buffers import BufferStore
         from pipeline.worker.stage_loop import model_stages
 
         p = self.cfg.parallelism
-        layouts = [buffer_layout(m) for m in model_stages(build_model(self.spec), p.pipeline, p.cuts)]
         stores, offset = [], 0
-        for layout in layouts:
-            words = layout_slots(layout)
-            stores.append(BufferStore(layout, self.initial_buffers[offset:offset + words]) if words else None)
+        for stage in model_stages(build_model(self.spec), p.pipeline, p.cuts):
+            words = layout_slots(buffer_layout(stage))
+            stores.append(buffer_store(stage, self.initial_buffers[offset:offset + words]) if words else None)
             offset += words
         return stores
 

@@ -83,9 +83,8 @@ class HostedPS:
         from pipeline.checkpoints import CheckpointInfo, Checkpointer, CheckpointStore
         from pipeline.launch.ps_side.progress import EpochProgress
         from pipeline.models import build_model, flat_parameters
-        from pipeline.models.state import buffer_layout
+        from pipeline.launch.ps_side.buffers import buffer_store
         from pipeline.ps import ParameterServer
-        from pipeline.ps.buffers import BufferStore
 
         spec = self.spec
         store = CheckpointStore(spec.checkpoint_dir, spec.keep_checkpoints)
@@ -101,8 +100,8 @@ class HostedPS:
             self.server = self._stack.enter_context(ParameterServer(
                 initial, spec.settings, world_size=spec.world_size, secret=self._secret, host=self._host,
                 generation=spec.generation, on_metrics=self.progress,
-                buffers=BufferStore(buffer_layout(build_model(spec.model)),
-                                    torch.frombuffer(bytearray(spec.buffers), dtype=torch.float32))
+                buffers=buffer_store(build_model(spec.model),
+                                     torch.frombuffer(bytearray(spec.buffers), dtype=torch.float32))
                 if spec.buffers else None))
             if state is not None:
                 self.server.load_state_dict(state["ps"])

@@ -1,12 +1,12 @@
 """Model buffers on the parameter server: per-rank reports, the merge, checkpoints, new generations and
 the wire's checks, on a real server and real clients over 127.0.0.1."""
-import socket
+from functools import partial
 
 import pytest
 import torch
 
 from pipeline.errors import ProtocolError, PSError
-from pipeline.models.state import encode_buffer, split_buffers
+from pipeline.models.state import encode_buffer, merge_buffers, split_buffers
 from pipeline.ps.buffers import BufferStore
 from pipeline.ps.protocol import DType, Header, MsgType
 
@@ -19,7 +19,7 @@ def _words(mean, count):
 
 
 def _store():
-    return BufferStore(LAYOUT, _words([0.0, 1.0], 0))
+    return BufferStore(_words([0.0, 1.0], 0), partial(merge_buffers, LAYOUT))
 
 
 def test_ranks_push_buffers_and_pull_the_merge(make_server, make_client):
