@@ -1,0 +1,76 @@
+"""Buffers are model state, on a real local Spark session: a BatchNorm MLP (``model.factory``) through
+every backend, mode and placement ends with trained running statistics in the merged model and in the
+last checkpoint, and a --resume continues from the checkpoint's statistics."""
+import pytest
+import torch
+
+from pipeline.checkpoints import CheckpointStore
+from pipeline.config import Workdir, build, with_changes
+from pipeline.etl import run_etl
+from pipeline.evaluate import evaluate
+from pipeline.launch import train
+from pipeline.models.state import flat_buffers
+from pipeline.shards import steps_per_epoch
+
+
+@pytest.fixture(scope="module")
+def digits(spark, tmp_path_factory, user_models):
+    work = tmp_path_factory.mktemp("buffers")
+    cfg = build({"name": "buffers", "workdir": str(work), "parallelism": {"data": 2}, "data": {"source": "digits"},
+                 "model": {"factory": f"{user_models}:bn_mlp", "factory_kwargs": {"width": 32}},
+                 "train": {"epochs": 2, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "checkpoint_every": 1000},
+                 "ps": {"timeout_s": 20}})
+    return cfg, run_etl(spark, cfg)
+
+
+def norms(model):
+    found = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm1d)]
+    assert found
+    return found
+
+
+CASES = {
+    "sync": {},
+    "async": {"ps": {"mode": "async"}},
+    "average": {"ps": {"mode": "average", "sync_every": 4}},
+    "allreduce": {"train": {"backend": "allreduce"}},
+    "task-placement": {"ps": {"placement": "task"}},
+    # 2 stages x 1 replica: local[2] has two task slots
+    "pipeline-stages": {"parallelism": {"data": 1, "pipeline": 2}, "model": {"factory": "user_models:bn_stages"}},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_merged_and_checkpointed_model_carries_trained_running_statistics(spark, digits, case):
+    cfg, manifest = digits
+    cfg = with_changes(cfg, name=f"buffers-{case}", **CASES[case])
+    if cfg.parallelism.data != 2:
+        manifest = run_etl(spark, cfg)  # one train shard per replica
+    result = train(spark, cfg, manifest)
+    steps = steps_per_epoch(manifest, cfg.parallelism.data, cfg.train.batch_size) * cfg.train.epochs
+    model = result.model()
+    for bn in norms(model):
+        # every replica ran every step; an integer counter, never a float average
+        assert bn.num_batches_tracked.item() == steps
+        assert not torch.allclose(bn.running_mean, torch.zeros_like(bn.running_mean))
+        assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
+    # the same state reaches evaluation in Spark: eval-mode BatchNorm with these statistics classifies well
+    accuracy = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics["accuracy"]
+    assert accuracy >= 0.85, accuracy
+    if cfg.train.backend == "ps":
+        latest = CheckpointStore(Workdir.of(cfg).checkpoints).latest()
+        state = CheckpointStore(Workdir.of(cfg).checkpoints).load(latest)["ps"]
+        saved = torch.cat([s["buffers"] for s in state["stages"]]) if "stages" in state else state["buffers"]
+        assert latest.step == result.steps and torch.equal(saved, flat_buffers(model))
+
+
+def test_resume_continues_from_the_checkpointed_running_statistics(spark, digits):
+    cfg, manifest = digits
+    first = with_changes(cfg, name="buffers-resume", train={"epochs": 1})
+    done = train(spark, first, manifest)
+    steps = done.steps
+    assert norms(done.model())[0].num_batches_tracked.item() == steps
+    # Another epoch from the checkpoint: the workers start from its statistics, so the counter goes on.
+    resumed = train(spark, with_changes(first, train={"epochs": 2}), manifest, resume=True)
+    assert resumed.resumed_from_step == steps and resumed.steps == 2 * steps
+    assert norms(resumed.model())[0].num_batches_tracked.item() == 2 * steps
