@@ -74,3 +74,48 @@ def test_resume_continues_from_the_checkpointed_running_statistics(spark, digits
     resumed = train(spark, with_changes(first, train={"epochs": 2}), manifest, resume=True)
     assert resumed.resumed_from_step == steps and resumed.steps == 2 * steps
     assert norms(resumed.model())[0].num_batches_tracked.item() == 2 * steps
+
+
+def _single_process_accuracy(spark, cfg, manifest, spec, *, batch_norm: bool = True) -> float:
+    """One process, one model, trained on the ranks' batches of every step concatenated (the global batch,
+    drawn by the workers' own loaders), then evaluated like the merged model."""
+    from pipeline.launch.plans import worker_plans
+    from pipeline.models import build_model, loss_fn
+    from pipeline.models.state import flat_state
+    from pipeline.worker.loop import make_train_loader
+
+    steps = steps_per_epoch(manifest, cfg.parallelism.data, cfg.train.batch_size)
+    loaders = [make_train_loader(plan) for plan in worker_plans(cfg, manifest, spec, steps, 1, 1)]
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(spec)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum,
+                                weight_decay=cfg.train.weight_decay)
+    loss = loss_fn(manifest.task)
+    for epoch in range(cfg.train.epochs):
+        for batches in zip(*(loader.epoch(epoch) for loader in loaders)):
+            xs = [x for x, _ in batches]
+            x = ({k: torch.cat([b[k] for b in xs]) for k in xs[0]} if isinstance(xs[0], dict) else torch.cat(xs))
+            y = torch.cat([y for _, y in batches])
+            optimizer.zero_grad(set_to_none=True)
+            loss(model(x), y).backward()
+            optimizer.step()
+    return evaluate(spark, manifest, spec, flat_state(model), "test").metrics["accuracy"]
+
+
+# (case, the largest test-accuracy gap to single-process training on the same batches this mode keeps).
+# sync and allreduce: 1 pp, the acceptance. async and average keep, on the plain MLP without BatchNorm,
+# a gap of up to 2 pp on this split (measured: see the report); BatchNorm must not widen it.
+ACCURACY_CASES = [("sync", 0.01), ("allreduce", 0.01), ("async", 0.02), ("average", 0.02)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,margin", ACCURACY_CASES)
+def test_batchnorm_test_accuracy_matches_single_process_training_on_the_same_batches(spark, digits, case, margin):
+    cfg, manifest = digits
+    cfg = with_changes(with_changes(cfg, name=f"buffers-acc-{case}", train={"epochs": 8}), **CASES[case])
+    result = train(spark, cfg, manifest)
+    distributed = evaluate(spark, manifest, result.spec, result.parameters, "test").metrics["accuracy"]
+    single = _single_process_accuracy(spark, cfg, manifest, result.spec)
+    print(f"\nbatchnorm {case}: distributed test accuracy {distributed:.4f}, single process {single:.4f}")
+    assert abs(distributed - single) <= margin + 1e-9, (distributed, single)
