@@ -40,7 +40,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# sync runs in the default suite; the other backends, modes and placements with the slow ones.
+@pytest.mark.parametrize("case", [c if c == "sync" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_the_merged_and_checkpointed_model_carries_trained_running_statistics(spark, digits, case):
     cfg, manifest = digits
     cfg = with_changes(cfg, name=f"buffers-{case}", **CASES[case])
