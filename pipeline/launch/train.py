@@ -117,11 +117,13 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
         outcome = placement.outcome(rows)
     seconds = time.perf_counter() - started
     check_steps(outcome.version, outcome.expected)
-    ranks = sorted(({k: v for k, v in r.items() if k != "parameters"} for r in outcome.rows), key=lambda r: r["rank"])
+    ranks = sorted(({k: v for k, v in r.items() if k not in ("parameters", "buffers")} for r in outcome.rows),
+                   key=lambda r: r["rank"])
     log.info("training done: %d steps in %.1fs; ranks ran in %s", outcome.version, seconds,
              ", ".join(f"{r['rank']}@{r['process']} ({r['device']}{', gpu ' + r['gpu'] if r['gpu'] else ''})"
                        for r in ranks))
-    return TrainResult(spec=spec, parameters=join_state(outcome.parameters, outcome.buffers), history=run.progress.history, ranks=ranks,
+    return TrainResult(spec=spec, parameters=join_state(outcome.parameters, outcome.buffers),
+                       history=run.progress.history, ranks=ranks,
                        steps=outcome.version, seconds=seconds, ps_stats=outcome.stats, failed_attempts=failed_attempts,
                        resumed_from_step=None if resumed is None else int(resumed["step"]))
 
