@@ -40,7 +40,8 @@ from pipeline.wire.frames import (
 __all__ = [
     # This protocol's own names.
     "Channel", "MsgType", "decode_header", "decode_tensor", "tensor_bytes", "DEFAULT_TENSOR_DTYPES",
-    "DTYPE_OF_TORCH", "BUFFER_TYPES", "MAX_BUFFER_WORDS", "EMPTY_TYPES", "FIXED_SIZE_TYPES", "ITEMSIZE", "JSON_TYPES", "TENSOR_TYPES",
+    "DTYPE_OF_TORCH", "BUFFER_TYPES", "MAX_BUFFER_WORDS",
+    "EMPTY_TYPES", "FIXED_SIZE_TYPES", "ITEMSIZE", "JSON_TYPES", "TENSOR_TYPES",
     "TORCH_DTYPES", "ServerInfo", "ShardInfo", "parse_welcome",
     # Re-exported from pipeline.wire.frames: what PS frames are built from.
     "DType", "Header",
