@@ -94,3 +94,28 @@ def test_buffer_frames_are_validated_in_the_header():
                 Header(MsgType.PULL_BUFFERS, 1, 0, 0, DType.NONE, 0, 4)):
         with pytest.raises(ProtocolError):
             decode_header(bad.pack(), max_elements=100)
+
+
+def test_each_pipeline_stage_keeps_its_own_buffers_and_checkpoints_them():
+    from pipeline.ps import OptimizerSpec, PSClient, PSSettings, new_secret
+    from pipeline.ps.staged import StagedParameterServer
+    from pipeline.wire.deadline import STEP_KEY, Timeout
+
+    secret = new_secret()
+    settings = PSSettings(optimizer=OptimizerSpec(lr=0.1), step_timeout=Timeout.of(5, STEP_KEY))
+    # stage 0 has buffers, stage 1 has none (its server keeps none and announces none)
+    server = StagedParameterServer(torch.arange(10, dtype=torch.float32), [(0, 4), (4, 10)], settings, replicas=1,
+                                   secret=secret, host="127.0.0.1", stage_buffers=[_store(), None])
+    with server:
+        with PSClient(*server.addresses[0], rank=0, secret=secret, timeout_s=5) as stage0, \
+                PSClient(*server.addresses[1], rank=0, secret=secret, timeout_s=5) as stage1:
+            assert stage0.connect().buffer_words == 4 and stage1.connect().buffer_words == 0
+            stage0.push_buffers(0, _words([4.0, 2.0], 9))
+        assert torch.equal(server.buffers(), _words([4.0, 2.0], 9))
+        state = server.state_dict()
+        assert torch.equal(state["stages"][0]["buffers"], _words([4.0, 2.0], 9)) and "buffers" not in state["stages"][1]
+    fresh = StagedParameterServer(torch.arange(10, dtype=torch.float32), [(0, 4), (4, 10)], settings, replicas=1,
+                                  secret=secret, host="127.0.0.1", stage_buffers=[_store(), None])
+    with fresh:
+        fresh.load_state_dict(state)
+        assert torch.equal(fresh.buffers(), _words([4.0, 2.0], 9))
