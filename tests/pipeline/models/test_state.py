@@ -66,3 +66,22 @@ def test_non_persistent_buffers_are_not_state():
     model.register_buffer("cache", torch.ones(100), persistent=False)
     model.register_buffer("scale", torch.full((3,), 2.0))
     assert buffer_layout(model) == (("float32", 3),) and flat_buffers(model).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_built_in_models_take_an_optional_batch_norm_and_old_specs_stay_equal():
+    from pipeline.config.schema import ModelConfig
+    from pipeline.models import build_model, model_spec
+    from pipeline.models.build import ModelSpec
+
+    plain = model_spec(ModelConfig(hidden=[8, 4]), num_features=3, num_classes=2, task="classification")
+    assert "batch_norm" not in plain.to_dict()  # a checkpoint's spec from before the key still matches
+    assert ModelSpec.from_dict(plain.to_dict()) == plain
+    spec = model_spec(ModelConfig(hidden=[8, 4], batch_norm=True), num_features=3, num_classes=2,
+                      task="classification")
+    assert ModelSpec.from_dict(spec.to_dict()) == spec and spec.to_dict()["batch_norm"] is True
+    model = build_model(spec)
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    assert [n.num_features for n in norms] == [8, 4]
+    assert buffer_layout(model) == (("float32", 8), ("float32", 8), ("int64", 1),
+                                    ("float32", 4), ("float32", 4), ("int64", 1))
+    assert not [m for m in build_model(plain).modules() if isinstance(m, nn.BatchNorm1d)]
