@@ -176,6 +176,8 @@ class BuffersHandler(Handler[BuffersRequest]):
                               if header.count else torch.empty(0))
 
     def handle(self, ctx: RequestContext, conn: RankConnection, request: BuffersRequest) -> Reply:
+        if conn.superseded:  # cut by a new attempt: its buffers must not outlive the fold into the base
+            raise Refusal(f"generation {conn.generation} was superseded; its buffers are discarded")
         _buffer_store(ctx, "BUFFERS").report(conn.rank, request.words)
         return Ack(request.step)
 
