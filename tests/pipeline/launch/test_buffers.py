@@ -37,6 +37,9 @@ CASES = {
     "task-placement": {"ps": {"placement": "task"}},
     # 2 stages x 1 replica: local[2] has two task slots
     "pipeline-stages": {"parallelism": {"data": 1, "pipeline": 2}, "model": {"factory": "user_models:bn_stages"}},
+    "allreduce-task-placement": {"train": {"backend": "allreduce"}, "ps": {"placement": "task"}},
+    "allreduce-pipeline-stages": {"train": {"backend": "allreduce"}, "parallelism": {"data": 1, "pipeline": 2},
+                                  "model": {"factory": "user_models:bn_stages"}},
 }
 
 
