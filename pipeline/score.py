@@ -1,8 +1,8 @@
 """Batch scoring with a tracked model: `shardline score --model models:/NAME@champion --input ... --output ...`.
 
 The model URI is resolved through the registry to its training run, whose artifacts hold everything needed:
-`shardline/model.pt` (the ModelSpec + flat fp32 parameters), `data/manifest.json` (the fitted features:
-FeatureSpecs with the train-split statistics, and the label mapping) and `data/vocab/<feature>.parquet`
+`shardline/model.pt` (the ModelSpec + flat fp32 state: parameters and buffers), `data/manifest.json` (the
+fitted features: FeatureSpecs with the train-split statistics, and the label mapping) and `data/vocab/<feature>.parquet`
 (the vocabularies of categorical/text features). The input (a Parquet path or a table name, any size) is
 read by Spark and the RAW source column of each feature selected: numbers cast to double (text
 try_cast), categoricals as string/integer, images as binary (or path strings), vectors and Spark ML

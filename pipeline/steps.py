@@ -67,7 +67,8 @@ MODEL_ARTIFACT_DIR = "shardline"
 
 
 def _save_model(cfg: PipelineConfig, result, run_id: str) -> Path:
-    """The merged model as spec + flat parameters; loaded back with torch.load(weights_only=True)."""
+    """The merged model as spec + flat state (parameters + buffers, pipeline.models.state); loaded back with
+    torch.load(weights_only=True)."""
     import torch
 
     folder = model_dir(cfg)
@@ -84,7 +85,7 @@ def _record_model_uri(cfg: PipelineConfig, run_id: str, model_uri: Optional[str]
 
 
 def load_saved_model(cfg: PipelineConfig):
-    """(ModelSpec, flat parameters, run_id) saved by the last train step of this config."""
+    """(ModelSpec, flat state (parameters + buffers), run_id) saved by the last train step of this config."""
     import torch
 
     from pipeline.models import ModelSpec
@@ -171,10 +172,10 @@ def _log_model(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, parame
     """The self-contained served model: raw source columns in, label values and probabilities out."""
     if not cfg.tracking.log_model:
         return None
-    from pipeline.models import build_model, load_flat_parameters
+    from pipeline.models import build_model, load_flat_state
 
     model = build_model(spec)
-    load_flat_parameters(model, parameters)
+    load_flat_state(model, parameters)
     model.eval()
     labels = list(manifest.label_mapping) if manifest.task == "classification" else None
     return run.log_model(model, manifest.feature_set, manifest.vocabulary_files(), manifest.task, labels,

@@ -145,6 +145,9 @@ class ModelConfig(_Section, LossFields):
     hidden: list[int] = Field(default_factory=lambda: [64])
     activation: Literal["relu", "tanh", "gelu"] = "relu"
     dropout: float = Field(0.0, ge=0, lt=1)
+    # Built-ins: a BatchNorm1d after each hidden linear layer (its running statistics are model state:
+    # merged across replicas, checkpointed and served like the parameters).
+    batch_norm: bool = False
     # "package.module:function" called as function(features=FeatureSet, num_outputs=..., **factory_kwargs)
     # returning an nn.Module whose forward takes the batch dict; a factory whose first parameter is
     # num_features is the classic form: it gets the numeric width and a tensor.

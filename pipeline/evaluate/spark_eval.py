@@ -49,12 +49,12 @@ def _make_partials_fn(spec_dict: dict, weights, features_field: str, label_field
         import torch
 
         from pipeline.data.arrow_read import feature_arrays
-        from pipeline.models import ModelSpec, build_model, load_flat_parameters
+        from pipeline.models import ModelSpec, build_model, load_flat_state
 
         spec = ModelSpec.from_dict(spec_dict)
         features = spec.feature_set
         model = build_model(spec)
-        load_flat_parameters(model, torch.from_numpy(weights.value))
+        load_flat_state(model, torch.from_numpy(weights.value))
         model.eval()
         total = None
         with torch.no_grad():

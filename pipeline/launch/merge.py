@@ -23,6 +23,25 @@ def replica_parameters(rows: list[dict], num_params: int, stages: int = 1):
     return flat
 
 
+def replica_buffers(rows: list[dict], num_words: int, stages: int = 1):
+    """allreduce: replica 0's buffers (each stage's, concatenated in stage order). The flat backend's DDP
+    broadcasts rank 0's buffers to every replica before each forward, so they are the ones every replica
+    trained with; the replicas' own copies differ by their last batch, and are not compared."""
+    import torch
+
+    raw = b"".join(bytes(next(r.get("buffers") or b"" for r in rows if r["rank"] == stage)) for stage in range(stages))
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.float32) if raw else torch.empty(0)
+    if flat.numel() != num_words:
+        raise WorkerTrainingFailedError({}, cause=f"replica 0 returned {flat.numel()} buffer words, the model's "
+                                                  f"buffers take {num_words}")
+    return flat
+
+
+def task_ps_buffers(rows: list[dict], num_words: int):
+    """ps.placement=task with the PS backend: the merged buffers rank 0's parameter server returned."""
+    return replica_buffers([r for r in rows if r["rank"] == 0], num_words, 1)
+
+
 def replica_outcome(rows: list[dict], num_params: int, stages: int, planned_steps: int):
     """allreduce: (merged parameters, steps every replica ran, the steps planned)."""
     return replica_parameters(rows, num_params, stages), min(r["steps"] for r in rows), planned_steps
@@ -47,9 +66,9 @@ def check_steps(version: int, expected: int) -> None:
 
 def merged_model(spec: ModelSpec, parameters):
     """A fresh module holding the final flat parameters, in eval mode."""
-    from pipeline.models import build_model, load_flat_parameters
+    from pipeline.models import build_model, load_flat_state
 
     model = build_model(spec)
-    load_flat_parameters(model, parameters)
+    load_flat_state(model, parameters)
     model.eval()
     return model

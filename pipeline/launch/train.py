@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainResult:
     spec: ModelSpec
-    parameters: object  # flat fp32 torch.Tensor: the final parameters
+    # The merged model's flat state (pipeline.models.state): its fp32 parameters followed by its buffers'
+    # words (BatchNorm running statistics, ...); just the parameters for a model without buffers.
+    parameters: object
     history: list[dict]
     ranks: list[dict]
     steps: int
@@ -42,7 +44,7 @@ class TrainResult:
     stopped: Optional[dict] = None
 
     def model(self):
-        """The merged model: a fresh module holding the final parameters."""
+        """The merged model: a fresh module holding the final parameters and buffers."""
         return merged_model(self.spec, self.parameters)
 
 
@@ -59,6 +61,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     import torch
 
     from pipeline.checkpoints import CheckpointMeta, CheckpointStore
+    from pipeline.models.state import flat_buffers, join_state
     from pipeline.ps.modes import expected_version
 
     replicas, stages = cfg.parallelism.data, cfg.parallelism.pipeline
@@ -79,15 +82,19 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
             log.info("moved %d checkpoint(s) of an earlier run to %s/previous (start with --resume to continue "
                      "that run instead)", moved, store.directory)
     torch.manual_seed(cfg.train.seed)  # every worker starts from the server's copy of this initialization
-    initial = flat_parameters(build_model(spec))
+    initial_model = build_model(spec)
+    initial, initial_buffers = flat_parameters(initial_model), flat_buffers(initial_model)
     if allreduce or cfg.ps.placement == "task":
         check_result_size(spark, initial.numel() * 4, "with train.backend=allreduce" if allreduce
                           else "with ps.placement=task")
-    if initial_parameters is not None:  # a warm start (e.g. from the champion)
-        if initial_parameters.numel() != initial.numel():
-            raise ConfigError(f"warm-start parameters have {initial_parameters.numel()} values, the model "
+    if initial_parameters is not None:  # a warm start (e.g. from the champion): its parameters [+ buffers]
+        warm = initial_parameters.detach().to(torch.float32).reshape(-1).clone()
+        if warm.numel() not in (initial.numel(), initial.numel() + initial_buffers.numel()):
+            raise ConfigError(f"warm-start parameters have {warm.numel()} values, the model "
                               f"{initial.numel()}; the model.* settings changed: disable workflow.warm_start")
-        initial = initial_parameters.detach().to(torch.float32).reshape(-1).clone()
+        initial = warm[:initial.numel()].clone()
+        if warm.numel() > initial.numel():
+            initial_buffers = warm[initial.numel():].clone()
     expected = expected_version(consistency(cfg), steps * cfg.train.epochs, replicas)
     placement = None
 
@@ -97,6 +104,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
             on_epoch(row)
 
     run = TrainingRun(spark=spark, cfg=cfg, manifest=manifest, spec=spec, steps_per_epoch=steps, initial=initial,
+                      initial_buffers=initial_buffers,
                       expected_version=expected, store=store, progress=EpochProgress(workers, cfg.train.epochs, epoch_done),
                       resumed=resumed, resumed_from=latest, warm_started=initial_parameters is not None,
                       checkpoint_meta=CheckpointMeta(fingerprint=manifest.fingerprint, model=spec.to_dict(),
@@ -111,11 +119,13 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
         outcome = placement.outcome(rows)
     seconds = time.perf_counter() - started
     check_steps(outcome.version, outcome.expected)
-    ranks = sorted(({k: v for k, v in r.items() if k != "parameters"} for r in outcome.rows), key=lambda r: r["rank"])
+    ranks = sorted(({k: v for k, v in r.items() if k not in ("parameters", "buffers")} for r in outcome.rows),
+                   key=lambda r: r["rank"])
     log.info("training done: %d steps in %.1fs; ranks ran in %s", outcome.version, seconds,
              ", ".join(f"{r['rank']}@{r['process']} ({r['device']}{', gpu ' + r['gpu'] if r['gpu'] else ''})"
                        for r in ranks))
-    return TrainResult(spec=spec, parameters=outcome.parameters, history=run.progress.history, ranks=ranks,
+    return TrainResult(spec=spec, parameters=join_state(outcome.parameters, outcome.buffers),
+                       history=run.progress.history, ranks=ranks,
                        steps=outcome.version, seconds=seconds, ps_stats=outcome.stats, failed_attempts=failed_attempts,
                        resumed_from_step=None if resumed is None else int(resumed["step"]),
                        stopped=outcome.stopped)

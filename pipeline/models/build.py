@@ -34,6 +34,7 @@ class ModelSpec:
     # Regression: (mean, std) of the train split's targets; the network learns the standardized target and
     # its output head maps back (pipeline.models.losses). None: trained on the raw target.
     target_scale: Optional[tuple[float, float]] = None
+    batch_norm: bool = False  # built-ins: a BatchNorm1d after each hidden linear layer
 
     def __post_init__(self):
         if self.features and self.feature_set.numeric_width != self.num_features:
@@ -47,7 +48,10 @@ class ModelSpec:
         return FeatureSet.numeric_only([f"x{i}" for i in range(self.num_features)], standardize=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not data["batch_norm"]:  # absent unless set: specs (and checkpoints) from before it stay equal
+            del data["batch_norm"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
@@ -90,6 +94,7 @@ def model_spec(config: ModelConfig, *, num_features: Optional[int] = None, featu
         hidden=tuple(config.hidden),
         activation=config.activation,
         dropout=config.dropout,
+        batch_norm=config.batch_norm,
         factory=config.factory,
         factory_kwargs=dict(config.factory_kwargs),
         features=tuple(features.to_list()) if features is not None else (),
@@ -181,13 +186,16 @@ def _build_factory(spec: ModelSpec):
 
 
 def head_layers(width: int, spec: ModelSpec) -> list:
-    """The MLP head every built-in ends in: model.hidden layers of model.activation (and model.dropout),
-    then a linear layer to the outputs."""
+    """The MLP head every built-in ends in: model.hidden layers (with model.batch_norm, each followed by a
+    BatchNorm1d) of model.activation (and model.dropout), then a linear layer to the outputs."""
     import torch.nn as nn
 
     layers: list[nn.Module] = []
     for hidden in spec.hidden:
-        layers += [nn.Linear(width, hidden), getattr(nn, _ACTIVATIONS[spec.activation])()]
+        layers.append(nn.Linear(width, hidden))
+        if spec.batch_norm:
+            layers.append(nn.BatchNorm1d(hidden))
+        layers.append(getattr(nn, _ACTIVATIONS[spec.activation])())
         if spec.dropout:
             layers.append(nn.Dropout(spec.dropout))
         width = hidden
@@ -228,13 +236,13 @@ def model_from_flat(spec: dict, parameters):
     import numpy as np
     import torch
 
-    from pipeline.models.flat import load_flat_parameters
+    from pipeline.models.state import load_flat_state
 
     value = parameters.value if hasattr(parameters, "value") else parameters
     flat = (np.frombuffer(value, dtype=np.float32) if isinstance(value, (bytes, bytearray, memoryview))
             else np.asarray(value, dtype=np.float32))
     model = build_model(ModelSpec.from_dict(spec))
-    load_flat_parameters(model, torch.from_numpy(flat.copy()))
+    load_flat_state(model, torch.from_numpy(flat.copy()))
     model.eval()
     return model
 

@@ -21,16 +21,20 @@ from pipeline.ps.messages import (
     MAX_LOG_TAIL_CHARS,
     PROTOCOL,
     Ack,
+    Buffers,
+    BuffersRequest,
     FailRequest,
     FinishRequest,
     MetricsRequest,
     Params,
+    PullBuffersRequest,
     PullRequest,
     PushPullRequest,
     PushRequest,
     Refusal,
     Reply,
 )
+from pipeline.ps.buffers import BufferStore
 from pipeline.ps.policies import ConsistencyPolicy
 from pipeline.ps.protocol import DType, Header, MsgType
 from pipeline.wire.deadline import Timeout, deadline_after
@@ -53,6 +57,8 @@ class RequestContext(Protocol):
     def num_params(self) -> int: ...
     @property
     def push_dtypes(self) -> frozenset[DType]: ...
+    @property
+    def buffers(self) -> BufferStore | None: ...
 
     def in_flight(self) -> ContextManager[None]: ...
     def count_push_payload(self, nbytes: int) -> None: ...
@@ -151,6 +157,40 @@ class FinishHandler(Handler[FinishRequest]):
         return Ack(request.step)
 
 
+def _buffer_store(ctx: RequestContext, what: str) -> BufferStore:
+    if ctx.buffers is None:
+        raise ProtocolError(f"{what} frame, but this server keeps no model buffers (the model has none, or "
+                            "this is not shard 0)")
+    return ctx.buffers
+
+
+class BuffersHandler(Handler[BuffersRequest]):
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> BuffersRequest:
+        import torch
+
+        store = _buffer_store(ctx, "BUFFERS")
+        if header.count != store.words:  # checked before a payload byte is read
+            raise ProtocolError(f"BUFFERS of {header.count} words, the model's buffers take {store.words}")
+        payload = bytearray(conn.channel.recv_bytes(header, deadline_after(ctx.step_timeout)))
+        return BuffersRequest(header.step, torch.frombuffer(payload, dtype=torch.float32, count=header.count)
+                              if header.count else torch.empty(0))
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: BuffersRequest) -> Reply:
+        if conn.superseded:  # cut by a new attempt: its buffers must not outlive the fold into the base
+            raise Refusal(f"generation {conn.generation} was superseded; its buffers are discarded")
+        _buffer_store(ctx, "BUFFERS").report(conn.rank, request.words)
+        return Ack(request.step)
+
+
+class PullBuffersHandler(Handler[PullBuffersRequest]):
+    def read(self, ctx: RequestContext, conn: RankConnection, header: Header) -> PullBuffersRequest:
+        _buffer_store(ctx, "PULL_BUFFERS")
+        return PullBuffersRequest(header.step)
+
+    def handle(self, ctx: RequestContext, conn: RankConnection, request: PullBuffersRequest) -> Reply:
+        return Buffers(request.step, _buffer_store(ctx, "PULL_BUFFERS").merged())
+
+
 # Frames a worker may send after the handshake; any other type is a protocol error.
 HANDLERS: dict[MsgType, Handler[Any]] = {
     MsgType.PUSH: PushHandler(),
@@ -159,6 +199,8 @@ HANDLERS: dict[MsgType, Handler[Any]] = {
     MsgType.METRICS: MetricsHandler(),
     MsgType.FAIL: FailHandler(),
     MsgType.FINISH: FinishHandler(),
+    MsgType.BUFFERS: BuffersHandler(),
+    MsgType.PULL_BUFFERS: PullBuffersHandler(),
 }
 
 
@@ -166,6 +208,9 @@ def deliver(ctx: RequestContext, conn: RankConnection, reply: Reply) -> None:
     match reply:
         case Params(version=version):
             ctx.send_params(conn, version)
+        case Buffers(step=step, words=words):
+            conn.channel.send_tensor(MsgType.BUFFERS, words, generation=conn.generation, rank=conn.rank,
+                                     step=step, timeout=ctx.step_timeout.seconds)
         case Ack(step=step):
             conn.channel.send_empty(MsgType.ACK, generation=conn.generation, rank=conn.rank, step=step,
                                     timeout=ctx.step_timeout.seconds)

@@ -76,7 +76,21 @@ class FinishRequest:
     step: int
 
 
-Request = Union[PushRequest, PushPullRequest, PullRequest, MetricsRequest, FailRequest, FinishRequest]
+@dataclass(frozen=True)
+class BuffersRequest:
+    """BUFFERS: this rank's model buffers as fp32 words (``pipeline.models.state``), at a sync point."""
+
+    step: int
+    words: Any  # torch.Tensor, a copy owned by the request
+
+
+@dataclass(frozen=True)
+class PullBuffersRequest:
+    step: int
+
+
+Request = Union[PushRequest, PushPullRequest, PullRequest, MetricsRequest, FailRequest, FinishRequest,
+                BuffersRequest, PullBuffersRequest]
 
 
 # -- replies (server -> client) ----------------------------------------------------------------------
@@ -94,5 +108,13 @@ class Params:
     version: int
 
 
-Reply = Union[Ack, Params]
+@dataclass(frozen=True)
+class Buffers:
+    """BUFFERS: the merged buffers (fp32 words), answering PULL_BUFFERS."""
+
+    step: int
+    words: Any  # torch.Tensor
+
+
+Reply = Union[Ack, Params, Buffers]
 

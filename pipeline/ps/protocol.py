@@ -40,7 +40,8 @@ from pipeline.wire.frames import (
 __all__ = [
     # This protocol's own names.
     "Channel", "MsgType", "decode_header", "decode_tensor", "tensor_bytes", "DEFAULT_TENSOR_DTYPES",
-    "DTYPE_OF_TORCH", "EMPTY_TYPES", "FIXED_SIZE_TYPES", "ITEMSIZE", "JSON_TYPES", "TENSOR_TYPES",
+    "DTYPE_OF_TORCH", "BUFFER_TYPES", "MAX_BUFFER_WORDS",
+    "EMPTY_TYPES", "FIXED_SIZE_TYPES", "ITEMSIZE", "JSON_TYPES", "TENSOR_TYPES",
     "TORCH_DTYPES", "ServerInfo", "ShardInfo", "parse_welcome",
     # Re-exported from pipeline.wire.frames: what PS frames are built from.
     "DType", "Header",
@@ -64,6 +65,11 @@ class MsgType(IntEnum):
     # client -> server: PUSH for `step` whose reply is the PARAMS a PULL(step + 1) would get (one round
     # trip per synchronous step instead of two; sync/average/ssp only). Refusals come back as ERROR.
     PUSH_PULL = 12
+    # Buffers are model state (pipeline.models.state): client -> server, this rank's buffer words
+    # (FLOAT32 frame, count = the server's buffer_words), answered with ACK; server -> client, the
+    # merged buffers, the answer to PULL_BUFFERS (client -> server, empty).
+    BUFFERS = 13
+    PULL_BUFFERS = 14
 
 
 # fp16/bf16/sparse are only accepted for compressed pushes.
@@ -79,8 +85,12 @@ DEFAULT_TENSOR_DTYPES = frozenset({DType.FLOAT32})
 
 TENSOR_TYPES = frozenset({MsgType.PARAMS, MsgType.PUSH, MsgType.PUSH_PULL})
 JSON_TYPES = frozenset({MsgType.WELCOME, MsgType.METRICS, MsgType.FAIL, MsgType.ERROR})
+# Buffer frames: fp32 words whose exact count the receiver checks against its layout before reading;
+# the header only caps them (buffers are small next to parameters; 64 MiB is far above any BatchNorm).
+BUFFER_TYPES = frozenset({MsgType.BUFFERS})
+MAX_BUFFER_WORDS = 1 << 24
 FIXED_SIZE_TYPES: dict[MsgType, int] = {MsgType.CHALLENGE: NONCE_SIZE, MsgType.AUTH: MAC_SIZE}
-EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH})
+EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH, MsgType.PULL_BUFFERS})
 
 
 def decode_header(
@@ -120,6 +130,12 @@ def decode_header(
                 f"{msg_type.name} payload length {length} != count {count} * itemsize "
                 f"{ITEMSIZE[dtype]} ({dtype.name})"
             )
+    elif msg_type in BUFFER_TYPES:
+        if dtype is not DType.FLOAT32:
+            raise ProtocolError(f"{msg_type.name} frames carry FLOAT32 words, got {dtype.name}")
+        if count > MAX_BUFFER_WORDS or length != count * 4:
+            raise ProtocolError(f"{msg_type.name} frame of {count} words / {length} bytes (at most "
+                                f"{MAX_BUFFER_WORDS} words, 4 bytes each)")
     else:
         if dtype is not DType.NONE or count != 0:
             raise ProtocolError(f"{msg_type.name} frame must not carry a dtype or element count")
@@ -179,6 +195,7 @@ class ServerInfo:
     compression: str = "none"
     topk_ratio: float = 0.01
     shards: tuple[ShardInfo, ...] = ()  # empty: one shard at the address connected to, [0, num_params)
+    buffer_words: int = 0  # fp32 words of the model's buffers the server keeps (0: none, no buffer frames)
 
 
 def parse_welcome(body: dict[str, Any]) -> ServerInfo:
@@ -190,10 +207,12 @@ def parse_welcome(body: dict[str, Any]) -> ServerInfo:
                           mode=str(body.get("mode", "sync")), staleness=int(body.get("staleness", 0)),
                           sync_every=int(body.get("sync_every", 1)), clock=int(body.get("clock", 0)),
                           compression=str(body.get("compression", "none")),
-                          topk_ratio=float(body.get("topk_ratio", 0.01)), shards=shards)
+                          topk_ratio=float(body.get("topk_ratio", 0.01)), shards=shards,
+                          buffer_words=int(body.get("buffer_words", 0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed WELCOME: {exc}") from None
-    if info.num_params <= 0 or info.version < 0 or info.world_size <= 0:
+    if info.num_params <= 0 or info.version < 0 or info.world_size <= 0 or \
+            not 0 <= info.buffer_words <= MAX_BUFFER_WORDS:
         raise ProtocolError(f"implausible WELCOME: {info}")
     if shards:
         # The slices must tile [0, num_params) in order, or PARAMS would land in the wrong place.

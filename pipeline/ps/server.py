@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.errors import PSError, WorkerFailure
+from pipeline.ps.buffers import BufferStore
 from pipeline.ps.connection import ShardAddress
 from pipeline.ps.failures import FailureBoard, FailureObserver
 from pipeline.ps.fanout import MixedVersionsText, ServerGroup
@@ -70,7 +71,7 @@ class ParameterServer:
     def __init__(self, initial: torch.Tensor, settings: PSSettings, *, world_size: int, secret: bytes,
                  host: str, port: int = 0, generation: int = 1,
                  on_metrics: Callable[[int, dict], None] | None = None,
-                 on_failure: FailureObserver | None = None) -> None:
+                 on_failure: FailureObserver | None = None, buffers: BufferStore | None = None) -> None:
         if not isinstance(settings, PSSettings):
             raise PSError(f"ParameterServer needs PSSettings, got {type(settings).__name__}")
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
@@ -79,13 +80,16 @@ class ParameterServer:
         self._ranges = partition(flat.numel(), settings.shards)
         self._num_params = flat.numel()
         self._settings = settings
+        # The model's buffers live beside shard 0's parameters (pipeline.ps.buffers).
+        self._buffers = buffers
         self._board = FailureBoard(on_failure) if len(self._ranges) > 1 or on_failure is not None else None
         self._shards = [
             ShardServer(flat[start:end], settings, world_size=world_size, secret=secret, host=host,
                         port=port if i == 0 else 0, generation=generation,
                         # Metrics are sent once per report, to shard 0.
                         on_metrics=on_metrics if i == 0 else None, shard_index=i, start=start,
-                        total_params=self._num_params, failure_sink=self._board)
+                        total_params=self._num_params, failure_sink=self._board,
+                        buffers=buffers if i == 0 else None)
             for i, (start, end) in enumerate(self._ranges)
         ]
         if self._board is not None:
@@ -128,6 +132,8 @@ class ParameterServer:
             generation, refuse_mixed_versions=self.consistency.mode in _LOCKSTEP_MODES)
         if self._board is not None:
             self._board.reset()
+        if self._buffers is not None:
+            self._buffers.fold()
         return new
 
     # -- read-only views ---------------------------------------------------------------------------
@@ -176,6 +182,12 @@ class ParameterServer:
             return self._shards[0].parameters()
         return torch.cat([s.parameters() for s in self._shards])
 
+    def buffers(self) -> torch.Tensor:
+        """The merged model buffers as fp32 words (``pipeline.models.state``; empty: the model has none)."""
+        if self._buffers is None:
+            return torch.empty(0, dtype=torch.float32)
+        return self._buffers.merged()
+
     @property
     def failures(self) -> dict[int, WorkerFailure]:
         return self._group.failures
@@ -217,9 +229,10 @@ class ParameterServer:
         at the same version (a step half-applied across shards is not a state any run had)."""
         states = self._group.consistent_states(lambda s: s.state_dict(), timeout_s,
                                                must_agree=self.consistency.mode in _LOCKSTEP_MODES)
+        buffers = {} if self._buffers is None else {"buffers": self._buffers.merged()}
         if len(states) == 1:
-            return states[0]
-        return {"version": min(st["version"] for st in states),
+            return {**states[0], **buffers}
+        return {**buffers, "version": min(st["version"] for st in states),
                 "params": torch.cat([st["params"] for st in states]),
                 "optimizer": _merge_optimizer_states([st["optimizer"] for st in states],
                                                      [end - start for start, end in self._ranges]),
@@ -227,6 +240,9 @@ class ParameterServer:
                 "steps_applied_by_rank": states[0]["steps_applied_by_rank"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._buffers is not None and state.get("buffers") is not None:
+            # A checkpoint from before buffers were state has none: the workers keep their initial ones.
+            self._buffers.restore(state["buffers"])
         if len(self._shards) == 1:
             self._shards[0].load_state_dict(state)
             return

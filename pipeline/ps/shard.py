@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pipeline.errors import PSError, WorkerFailure
+from pipeline.ps.buffers import BufferStore
 from pipeline.ps.compression import wire_dtype
 from pipeline.ps.connection import RankConnection, Roster, ShardAddress
 from pipeline.ps.core import ShardCore
@@ -56,7 +57,7 @@ class ShardServer:
     def __init__(self, initial: torch.Tensor, settings: PSSettings, *, world_size: int, secret: bytes,
                  host: str, port: int = 0, generation: int = 1, on_metrics: MetricsHook | None = None,
                  shard_index: int = 0, start: int = 0, total_params: int | None = None,
-                 failure_sink: FailureSink | None = None) -> None:
+                 failure_sink: FailureSink | None = None, buffers: BufferStore | None = None) -> None:
         if not 1 <= world_size <= U32_MAX:
             raise PSError(f"world_size must be >= 1, got {world_size}")
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
@@ -76,6 +77,7 @@ class ShardServer:
         self._failure_sink = failure_sink
         self._on_metrics = on_metrics
         self._world_size = world_size
+        self._buffers = buffers  # the model's buffers: shard 0 of a server only (pipeline.ps.buffers)
 
         self._roster = Roster(world_size)
         self._ledger = FailureLedger()
@@ -334,7 +336,8 @@ class ShardServer:
         welcome = {"num_params": self._total_params, "version": version, "shard": self._shard_index,
                    "shards": layout, "world_size": self._world_size, "generation": conn.generation,
                    "clock": clock, "compression": self._settings.compression,
-                   "topk_ratio": self._settings.topk_ratio, **self._settings.consistency.to_dict()}
+                   "topk_ratio": self._settings.topk_ratio, **self._settings.consistency.to_dict(),
+                   "buffer_words": self._buffers.words if self._buffers is not None else 0}
         return conn, welcome
 
     def serve(self, conn: RankConnection, peer: tuple) -> None:
@@ -355,6 +358,10 @@ class ShardServer:
     @property
     def push_dtypes(self) -> frozenset[DType]:
         return self._push_dtypes
+
+    @property
+    def buffers(self) -> BufferStore | None:
+        return self._buffers
 
     @contextlib.contextmanager
     def in_flight(self) -> Iterator[None]:

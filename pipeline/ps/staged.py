@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pipeline.errors import PSError, WorkerFailure
+from pipeline.ps.buffers import BufferStore
 from pipeline.ps.failures import FailureObserver
 from pipeline.ps.fanout import MixedVersionsText, ServerGroup
 from pipeline.ps.modes import Consistency
@@ -49,7 +50,8 @@ class StagedParameterServer:
 
     def __init__(self, initial: torch.Tensor, stage_ranges: list[tuple[int, int]], settings: PSSettings, *,
                  replicas: int, secret: bytes, host: str, generation: int = 1,
-                 on_metrics: Optional[Callable[[int, dict], None]] = None) -> None:
+                 on_metrics: Optional[Callable[[int, dict], None]] = None,
+                 stage_buffers: Optional[list[Optional[BufferStore]]] = None) -> None:
         flat = initial.detach().to(torch.float32).reshape(-1)
         if stage_ranges[0][0] != 0 or stage_ranges[-1][1] != flat.numel() or any(
                 a[1] != b[0] for a, b in zip(stage_ranges, stage_ranges[1:])):
@@ -64,7 +66,9 @@ class StagedParameterServer:
             ParameterServer(flat[start:end].clone(), settings.for_slice(end - start), world_size=replicas,
                             secret=secret, host=host, generation=generation,
                             on_metrics=self._metrics_sink(stage, on_metrics),
-                            on_failure=self._failure_sink(stage))
+                            on_failure=self._failure_sink(stage),
+                            # Each stage's buffers belong to that stage's server.
+                            buffers=stage_buffers[stage] if stage_buffers else None)
             for stage, (start, end) in enumerate(stage_ranges)
         ]
         self._group = ServerGroup(self._servers, name="pipeline stages", rank_of=self.global_rank,
@@ -140,6 +144,11 @@ class StagedParameterServer:
     def parameters(self) -> torch.Tensor:
         """The whole model's flat parameters: the stages' slices concatenated in stage order."""
         return torch.cat([s.parameters() for s in self._servers])
+
+    def buffers(self) -> torch.Tensor:
+        """The whole model's merged buffer words: the stages' in stage order (``named_buffers`` order of
+        the whole Sequential, as for the parameters)."""
+        return torch.cat([s.buffers() for s in self._servers])
 
     @property
     def failures(self) -> dict[int, WorkerFailure]:

@@ -20,8 +20,8 @@
 Vectors as arrays; the label; a row id fixed once) as a Parquet source under the workdir and runs the usual
 steps on it: `run_etl` (balanced shards, train-only statistics and vocabularies), `pipeline.launch.train`
 (barrier workers), `pipeline.evaluate` on the test split. No MLflow here (only pipeline.tracking talks to
-MLflow). The fitted `ShardlineModel` holds the model spec, the flat fp32 parameters, the fitted features
-(or, classic, the standardization statistics), the vocabularies and the label values; `transform` scores
+MLflow). The fitted `ShardlineModel` holds the model spec, the flat fp32 state (parameters + buffers), the
+fitted features (or, classic, the standardization statistics), the vocabularies and the label values; `transform` scores
 with a vectorized Arrow UDF (udfs/predict.py) through udfs.transforms.Transform, the ETL's preprocessing.
 Persistence is Spark ML's: params metadata through `DefaultParamsWriter`, the model state as JSON + raw
 little-endian float32 bytes (no pickle).

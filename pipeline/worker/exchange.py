@@ -101,6 +101,35 @@ class Exchange:
     def after_backward(self, step: int) -> int:
         raise NotImplementedError
 
+    # -- buffers (BatchNorm running statistics, ...: pipeline.models.state, pipeline.ps.buffers) --------
+    def begin(self) -> int:
+        """``start()``, then the server's merged buffers into the model: the initial model's on a fresh
+        run, the last epoch end's on a retried attempt or a resume. Returns the first step."""
+        step = self.start()
+        if self.info.buffer_words:
+            from pipeline.models.state import flat_buffers, load_flat_buffers
+
+            mine = flat_buffers(self.model).numel()
+            if mine != self.info.buffer_words:
+                raise ValueError(f"this worker's model has {mine} buffer words, the parameter server keeps "
+                                 f"{self.info.buffer_words}; driver and workers built different models")
+            started = time.perf_counter()
+            load_flat_buffers(self.model, self.client.pull_buffers())
+            self.stats.wait_s += time.perf_counter() - started
+        return step
+
+    def end_epoch(self, step: int) -> None:
+        """A sync point for buffers: this replica's buffers to the server, which keeps every rank's latest
+        and merges them (after the last epoch: the final model's). Sent before the epoch's report, so a
+        checkpoint taken once every rank reported the epoch holds them."""
+        if not self.info.buffer_words:
+            return
+        from pipeline.models.state import flat_buffers
+
+        started = time.perf_counter()
+        self.client.push_buffers(step, flat_buffers(self.model))
+        self.stats.wait_s += time.perf_counter() - started
+
 
 class SyncExchange(Exchange):
     """BSP: push step t, wait for version t+1 (every rank's gradient averaged and applied)."""
@@ -201,6 +230,10 @@ class AllreduceExchange(Exchange):
         self.optimizer.step(step)
         self.stats.record(0)
         return step + 1
+
+    def end_epoch(self, step: int) -> None:
+        """Nothing: the merged model is replica 0's (its buffers are what DDP broadcasts to every replica
+        before each forward), returned in its result row, not kept by the server."""
 
 
 def _flat_parameters_into(model, out: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
     last_loss = float("nan")
     exchange = make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer,
                              plan.backend, precision)
-    step = exchange.start()
+    step = exchange.begin()  # start() + the server's buffers
     forward = model
     if plan.backend == "allreduce":
         from torch.nn.parallel import DistributedDataParallel
@@ -135,9 +135,11 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
             metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
         log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,
                 epoch_samples / max(seconds, 1e-9))
+        exchange.end_epoch(step)  # buffers to the server, before the report a checkpoint waits for
         logs.report(metrics)
-    digest = parameters = None
+    digest = parameters = buffers = None
     if plan.backend == "allreduce":
-        digest, parameters = final_parameters(model, keep=plan.rank == 0)
+        digest, parameters, buffers = final_parameters(model, keep=plan.rank == 0)
     return WorkerResult(rank=plan.rank, steps=step, samples=samples, seconds=time.perf_counter() - started,
-                        final_train_loss=last_loss, device=device, parameters_digest=digest, parameters=parameters)
+                        final_train_loss=last_loss, device=device, parameters_digest=digest, parameters=parameters,
+                        buffers=buffers)

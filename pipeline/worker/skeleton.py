@@ -36,6 +36,8 @@ class WorkerResult:
     # parameters themselves as raw little-endian float32 bytes (the merged model).
     parameters_digest: Optional[str] = None
     parameters: Optional[bytes] = None
+    # allreduce, replica 0: its buffers' fp32 words (pipeline.models.state), the merged model's.
+    buffers: Optional[bytes] = None
 
 
 # -- seeding, loader -------------------------------------------------------------------------------
@@ -208,11 +210,14 @@ class FaultHooks:
 
 
 # -- the result ------------------------------------------------------------------------------------
-def final_parameters(module, *, keep: bool) -> tuple[str, Optional[bytes]]:
-    """sha256 of ``module``'s flat parameters and, if ``keep``, the raw float32 bytes (allreduce)."""
+def final_parameters(module, *, keep: bool) -> tuple[str, Optional[bytes], Optional[bytes]]:
+    """sha256 of ``module``'s flat parameters and, if ``keep``, the raw float32 bytes of its parameters
+    and of its buffers' words (allreduce). Only parameters are hashed: each replica's buffers also saw its
+    own last batch."""
     import hashlib
 
-    from pipeline.models import flat_parameters
+    from pipeline.models import flat_buffers, flat_parameters
 
     raw = flat_parameters(module).cpu().contiguous().numpy().tobytes()
-    return hashlib.sha256(raw).hexdigest(), raw if keep else None
+    buffers = flat_buffers(module).contiguous().numpy().tobytes() if keep else None
+    return hashlib.sha256(raw).hexdigest(), raw if keep else None, buffers

@@ -184,7 +184,7 @@ def _train(plan: WorkerPlan, grid: StagePlan, client, info, module, gpipe, loade
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
     exchange = make_exchange(client, info, module, plan.steps_per_epoch * plan.epochs, plan.optimizer,
                              plan.backend)
-    step = exchange.start()
+    step = exchange.begin()  # start() + the server's buffers
     first_epoch, skip = divmod(step, plan.steps_per_epoch)
     log.log(level, "rank %d = stage %d/%d of replica %d/%d: %d parameters, %d micro-batches, starting at step %d",
             plan.rank, grid.stage, grid.stages, grid.replica, grid.replicas, info.num_params,
@@ -233,10 +233,12 @@ def _train(plan: WorkerPlan, grid: StagePlan, client, info, module, gpipe, loade
         log.log(level, "rank %d (stage %d) epoch %d: compute %.2fs, idle %.2fs (bubble %.0f%%)%s", plan.rank,
                 grid.stage, epoch, epoch_stats.compute_s, epoch_stats.idle_s,
                 100 * epoch_stats.bubble_fraction, f", loss {last_loss:.4f}" if grid.is_last else "")
+        exchange.end_epoch(step)  # buffers to the server, before the report a checkpoint waits for
         logs.report(metrics)
-    digest = parameters = None
+    digest = parameters = buffers = None
     if plan.backend == "allreduce":
         # Replica 0 of each stage returns the stage's slice.
-        digest, parameters = final_parameters(module, keep=grid.replica == 0)
+        digest, parameters, buffers = final_parameters(module, keep=grid.replica == 0)
     return WorkerResult(rank=plan.rank, steps=step, samples=samples, seconds=time.perf_counter() - started,
-                        final_train_loss=last_loss, device=device, parameters_digest=digest, parameters=parameters)
+                        final_train_loss=last_loss, device=device, parameters_digest=digest, parameters=parameters,
+                        buffers=buffers)

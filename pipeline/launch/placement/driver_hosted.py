@@ -77,9 +77,11 @@ class DriverPS:
                 ranges = stage_ranges(run)
                 log.info("pipeline parallelism: %d replicas x %d stages (parameter slices %s), %d micro-batches",
                          cfg.parallelism.data, cfg.parallelism.pipeline, ranges, cfg.parallelism.micro_batches)
-                server = StagedParameterServer(run.initial, ranges, settings, replicas=cfg.parallelism.data, **common)
+                server = StagedParameterServer(run.initial, ranges, settings, replicas=cfg.parallelism.data,
+                                               stage_buffers=run.stage_buffer_stores(), **common)
             else:
-                server = ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks, **common)
+                server = ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks,
+                                         buffers=run.buffer_store(), **common)
             self.server = self._stack.enter_context(server)
             if run.resumed is not None:
                 self.server.load_state_dict(run.resumed["ps"])
@@ -220,7 +222,7 @@ class DriverPS:
             run.steps_per_epoch, cfg.train.epochs))
 
     def outcome(self, rows: list[dict]) -> Outcome:
-        from pipeline.launch.merge import replica_outcome
+        from pipeline.launch.merge import replica_buffers, replica_outcome
 
         run = self.run
         final = self.monitor.final() if self.monitor is not None else None
@@ -229,11 +231,13 @@ class DriverPS:
         if run.allreduce:
             parameters, version, expected = replica_outcome(rows, run.initial.numel(), run.cfg.parallelism.pipeline,
                                                             run.steps_per_epoch * run.cfg.train.epochs)
+            buffers = replica_buffers(rows, run.initial_buffers.numel(), run.cfg.parallelism.pipeline)
         else:
             parameters, version, expected = self.server.parameters(), self.server.version, run.expected_version
+            buffers = self.server.buffers()  # every rank pushed its buffers after its last epoch
         stats = dict(self.server.stats)
         self._checkpointer.save("end of training")
-        return Outcome(parameters, version, expected, stats, rows)
+        return Outcome(parameters, version, expected, stats, rows, buffers)
 
     def _best_outcome(self, final, rows: list[dict]) -> Outcome:
         """The best epoch's parameters as the run's result; its state is also the newest checkpoint."""
@@ -251,6 +255,10 @@ class DriverPS:
         import torch
 
         ps = best["ps"]  # a staged server's state holds one state per stage
-        parameters = ps["params"] if "params" in ps else torch.cat([st["params"] for st in ps["stages"]])
+        stages = [ps] if "params" in ps else ps["stages"]
+        parameters = torch.cat([st["params"] for st in stages])
+        # The buffers merged at that epoch's end (each rank pushes its own before its epoch report).
+        kept = [st["buffers"] for st in stages if st.get("buffers") is not None]
+        buffers = torch.cat(kept) if kept else None
         step = int(best["step"])
-        return Outcome(parameters, step, step, dict(self.server.stats), rows, stopped=final.to_dict())
+        return Outcome(parameters, step, step, dict(self.server.stats), rows, buffers, stopped=final.to_dict())

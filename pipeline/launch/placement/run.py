@@ -24,6 +24,9 @@ class TrainingRun:
     spec: ModelSpec
     steps_per_epoch: int
     initial: "torch.Tensor"  # flat fp32: the seeded initialization or the warm start
+    # The model's buffers as fp32 words (pipeline.models.state; empty: none): the initial model's or the
+    # warm start's. The server keeps them and merges the replicas' (pipeline.ps.buffers).
+    initial_buffers: "torch.Tensor"
     expected_version: int  # the PS version once every planned step is applied
     store: CheckpointStore
     progress: EpochProgress
@@ -36,6 +39,31 @@ class TrainingRun:
     def allreduce(self) -> bool:
         return self.cfg.train.backend == "allreduce"
 
+    def buffer_store(self):
+        """The server's store of the whole model's buffers, or None when the model has none."""
+        from pipeline.models import build_model
+
+        from pipeline.launch.ps_side.buffers import buffer_store
+
+        if not self.initial_buffers.numel():
+            return None
+        return buffer_store(build_model(self.spec), self.initial_buffers)
+
+    def stage_buffer_stores(self) -> list:
+        """Pipeline stages: each stage's buffers, a store per stage server (None for a stage without)."""
+        from pipeline.models import build_model
+        from pipeline.launch.ps_side.buffers import buffer_store
+        from pipeline.models.state import buffer_layout, layout_slots
+        from pipeline.worker.stage_loop import model_stages
+
+        p = self.cfg.parallelism
+        stores, offset = [], 0
+        for stage in model_stages(build_model(self.spec), p.pipeline, p.cuts):
+            words = layout_slots(buffer_layout(stage))
+            stores.append(buffer_store(stage, self.initial_buffers[offset:offset + words]) if words else None)
+            offset += words
+        return stores
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -46,6 +74,7 @@ class Outcome:
     expected: int
     stats: dict
     rows: list[dict]
+    buffers: Optional["torch.Tensor"] = None  # the merged buffers' fp32 words (None/empty: the model has none)
     # train.early_stopping / train.divergence: why the result is the best epoch's (StopInfo.to_dict()).
     stopped: Optional[dict] = None
 

@@ -47,12 +47,13 @@ class TaskPS:
         run, cfg = self.run, self.run.cfg
         waits = deadlines(cfg)
         warm = run.initial.detach().cpu().float().reshape(-1).contiguous().numpy().tobytes() if run.warm_started else None
+        buffers = run.initial_buffers.detach().cpu().reshape(-1).contiguous().numpy().tobytes()
         return HostedPSSpec(
             world_size=cfg.parallelism.data, generation=attempt, settings=ps_settings(cfg, run.steps_per_epoch), backend=cfg.train.backend, grace=failed_attempt_grace(cfg),
             connect=waits.connect, peers=waits.step, model=run.spec,
             checkpoint_dir=run.store.directory, keep_checkpoints=cfg.train.keep_checkpoints,
             checkpoint_every=cfg.train.checkpoint_every,
-            resume_path=self.resume_from.path if self.resume_from else None, warm_start=warm,
+            resume_path=self.resume_from.path if self.resume_from else None, warm_start=warm, buffers=buffers,
             checkpoint_meta=run.checkpoint_meta.for_launch(self.launch_id))
 
     def run_attempt(self, attempt: int) -> list[dict]:
@@ -114,15 +115,17 @@ class TaskPS:
         return RetryStart(self.resume_from.step, f"checkpoint step {self.resume_from.step}")
 
     def outcome(self, rows: list[dict]) -> Outcome:
-        from pipeline.launch.merge import replica_outcome, task_ps_parameters
+        from pipeline.launch.merge import replica_buffers, replica_outcome, task_ps_buffers, task_ps_parameters
 
         run, report = self.run, self.report
         run.progress.replay(report["history"])
         if run.allreduce:
             parameters, version, expected = replica_outcome(rows, run.initial.numel(), 1,
                                                             run.steps_per_epoch * run.cfg.train.epochs)
+            buffers = replica_buffers(rows, run.initial_buffers.numel())
         else:
             parameters, version = task_ps_parameters(rows, run.initial.numel()), int(report["version"])
+            buffers = task_ps_buffers(rows, run.initial_buffers.numel())
             expected = run.expected_version
         stats = dict(report["stats"])  # through JSON: restore the integer rank keys
         if isinstance(stats.get("steps_applied_by_rank"), dict):
@@ -130,7 +133,7 @@ class TaskPS:
         self._warn_if_checkpoints_invisible()
         log.info("PS in rank 0's task at %s", report["address"])
         return Outcome(parameters, version, expected, stats, [{k: v for k, v in r.items() if k != "ps_report"}
-                                                               for r in rows])
+                                                               for r in rows], buffers)
 
     def _warn_if_checkpoints_invisible(self) -> None:
         """Rank 0's task writes the checkpoints; a path only its executor can see makes retries start over."""

@@ -153,7 +153,7 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
                 "steps": result.steps, "samples": result.samples, "seconds": result.seconds,
                 "final_train_loss": result.final_train_loss, "process": process, "device": result.device,
                 "gpu": gpu, "parameters_digest": result.parameters_digest, "parameters": result.parameters,
-                "ps_report": None}
+                "ps_report": None, "buffers": result.buffers}
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver as a row
         error = f"{type(exc).__name__}: {exc}"
         if plan.stage is not None:  # name the stage too: a pipeline failure is located by (rank, stage)

@@ -49,6 +49,8 @@ class HostedPSSpec:
     # The checkpoint to start from (a retry or --resume), else the seeded initialization / warm start.
     resume_path: Optional[str] = None
     warm_start: Optional[bytes] = None
+    # The model's initial (or warm-start) buffers as fp32 words (pipeline.models.state); empty: none.
+    buffers: bytes = b""
 
     @property
     def checkpoints_enabled(self) -> bool:
@@ -81,6 +83,7 @@ class HostedPS:
         from pipeline.checkpoints import CheckpointInfo, Checkpointer, CheckpointStore
         from pipeline.launch.ps_side.progress import EpochProgress
         from pipeline.models import build_model, flat_parameters
+        from pipeline.launch.ps_side.buffers import buffer_store
         from pipeline.ps import ParameterServer
 
         spec = self.spec
@@ -96,7 +99,10 @@ class HostedPS:
         try:
             self.server = self._stack.enter_context(ParameterServer(
                 initial, spec.settings, world_size=spec.world_size, secret=self._secret, host=self._host,
-                generation=spec.generation, on_metrics=self.progress))
+                generation=spec.generation, on_metrics=self.progress,
+                buffers=buffer_store(build_model(spec.model),
+                                     torch.frombuffer(bytearray(spec.buffers), dtype=torch.float32))
+                if spec.buffers else None))
             if state is not None:
                 self.server.load_state_dict(state["ps"])
                 self.progress.restore(state)
@@ -146,6 +152,7 @@ class HostedPS:
         row = {**row, "ps_report": encode_report(report)}
         if self.spec.backend == "ps":
             row["parameters"] = self.server.parameters().contiguous().numpy().tobytes()
+            row["buffers"] = self.server.buffers().contiguous().numpy().tobytes()
         return row
 
     def wait_for_peers(self) -> None:

@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 RESULT_SCHEMA = ("rank int, ok boolean, error string, log_tail string, retryable boolean, "
                  "steps long, samples long, seconds double, final_train_loss double, process string, "
                  "device string, gpu string, parameters_digest string, chunk int, parameters binary, "
-                 "ps_report string")
+                 "ps_report string, buffers binary")
 # Parameters travel as rows of at most this many bytes (chunk 0 carries the rank's other fields).
 CHUNK_BYTES = 32 << 20
 _REPORT_TAG = "shardline-task-ps-failure:"
@@ -24,7 +24,8 @@ _MAX_EMBEDDED = 6000
 def failure_row(rank: int, error: Optional[str], tail: str, process: str = "", retryable: bool = True) -> dict:
     return {"rank": rank, "ok": False, "error": error, "log_tail": tail, "retryable": retryable, "steps": None,
             "samples": None, "seconds": None, "final_train_loss": None, "process": process, "device": None,
-            "gpu": None, "parameters_digest": None, "chunk": 0, "parameters": None, "ps_report": None}
+            "gpu": None, "parameters_digest": None, "chunk": 0, "parameters": None, "ps_report": None,
+            "buffers": None}
 
 
 def arrow_schema():
@@ -34,7 +35,9 @@ def arrow_schema():
                       ("retryable", pa.bool_()), ("steps", pa.int64()), ("samples", pa.int64()),
                       ("seconds", pa.float64()), ("final_train_loss", pa.float64()), ("process", pa.string()),
                       ("device", pa.string()), ("gpu", pa.string()), ("parameters_digest", pa.string()),
-                      ("chunk", pa.int32()), ("parameters", pa.binary()), ("ps_report", pa.string())])
+                      ("chunk", pa.int32()), ("parameters", pa.binary()), ("ps_report", pa.string()),
+                      # The model's buffers (pipeline.models.state), in chunk 0: small next to parameters.
+                      ("buffers", pa.binary())])
 
 
 def to_batches(row: dict) -> Iterator:

@@ -95,3 +95,15 @@ def embeddings_and_conv(features, num_outputs, width=16):
             return self.head(torch.cat(parts, dim=1))
 
     return EmbeddingsAndConv()
+
+
+def bn_mlp(num_features: int, num_outputs: int, width: int = 32):
+    """A BatchNorm MLP (running statistics are buffers, the state issue 16 is about)."""
+    return nn.Sequential(nn.Linear(num_features, width), nn.BatchNorm1d(width), nn.ReLU(),
+                         nn.Linear(width, num_outputs))
+
+
+def bn_stages(num_features: int, num_outputs: int, width: int = 32):
+    """bn_mlp as two pipeline stages, each with its own BatchNorm (each stage's buffers are its own)."""
+    return [nn.Sequential(nn.Linear(num_features, width), nn.BatchNorm1d(width), nn.ReLU()),
+            nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, num_outputs))]

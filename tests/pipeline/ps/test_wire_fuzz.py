@@ -75,6 +75,7 @@ DTYPE_CODES = frozenset(int(d) for d in DType)
 SERVER_ONLY = [MsgType.CHALLENGE, MsgType.WELCOME, MsgType.PARAMS, MsgType.ACK, MsgType.ERROR]
 JSON_TYPES = [MsgType.WELCOME, MsgType.METRICS, MsgType.FAIL, MsgType.ERROR]
 TENSOR_TYPES = [MsgType.PARAMS, MsgType.PUSH, MsgType.PUSH_PULL]
+BUFFER_TYPES = [MsgType.BUFFERS]
 EMPTY_TYPES = [MsgType.PULL, MsgType.ACK, MsgType.FINISH]
 
 
@@ -179,7 +180,8 @@ def bad_sizes(draw, max_elements: int) -> Case:
         return Case(raw_header(type_code=msg, length=length),
                     f"{msg.name} frame must have an empty payload, got {length} bytes")
     if kind == "count_on_control":
-        msg = draw(st.sampled_from([t for t in MsgType if t not in TENSOR_TYPES]))
+        # (buffer frames have their own rules: tests/pipeline/ps/test_buffers.py)
+        msg = draw(st.sampled_from([t for t in MsgType if t not in TENSOR_TYPES and t not in BUFFER_TYPES]))
         dtype, count = draw(st.sampled_from(list(DType))), draw(U64)
         if dtype is DType.NONE and count == 0:
             count = 1
@@ -218,7 +220,7 @@ def before_auth(draw) -> Case:
     """A well-formed frame of any type but AUTH: refused by type, before its payload is read."""
     msg = draw(st.sampled_from([t for t in MsgType if t is not MsgType.AUTH]))
     gen, rank, step = draw(U32), draw(U32), draw(I64)
-    if msg in TENSOR_TYPES:  # before the handshake the server expects 0 elements
+    if msg in TENSOR_TYPES or msg in BUFFER_TYPES:  # before the handshake the server expects 0 elements
         frame = raw_header(type_code=msg, generation=gen, rank=rank, step=step, dtype=DType.FLOAT32)
     elif msg in JSON_TYPES:
         body = draw(small_json(msg))

@@ -1,0 +1,84 @@
+"""The model's buffers on the parameter server (BatchNorm running statistics and any other persistent
+buffer; ``pipeline.models.state`` has the encoding and the merge rule).
+
+Why the server keeps buffers apart from the parameters: buffers are not trained by gradients, so they
+never enter the optimizer's vector. Each replica keeps its own buffers while it trains (they only change
+its own forward passes) and sends them at its sync points — every epoch end, the last one being the end of
+training — where the server keeps each rank's latest copy. The merged buffers (what checkpoints, the
+final model and a new attempt's workers get) are ``merge_buffers`` of those copies: floating-point
+buffers averaged over the replicas, integer buffers (``num_batches_tracked``) taken from the lowest rank.
+Until a rank has reported, the merged buffers are the base: the initial model's, or a checkpoint's.
+The server knows no model: the merge is handed in (``functools.partial(merge_buffers, layout)``) by
+whoever built the model, and the server only checks word counts.
+
+A new attempt (generation) folds the reports into the base, so its workers start from the merged buffers
+of the last epoch end the old attempt reached and no stale rank copy outlives it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from pipeline.errors import PSError
+
+if TYPE_CHECKING:  # torch stays out of module import time
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class BufferStore:
+    """Per-rank buffer reports and their merge, for one server (shard 0 of a ParameterServer)."""
+
+    def __init__(self, initial: torch.Tensor, merge: Callable[[Mapping[int, torch.Tensor]], torch.Tensor]) -> None:
+        import torch
+
+        base = initial.detach().reshape(-1).to("cpu")
+        self.words = base.numel()
+        self._merge = merge
+        if base.dtype is not torch.float32 or not self.words:
+            raise PSError(f"initial buffers must be a non-empty fp32 word vector, got {base.numel()} {base.dtype}")
+        self._base = base.clone()
+        self._reports: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def report(self, rank: int, words: torch.Tensor) -> None:
+        """This rank's buffers now (copied: ``words`` may alias a receive buffer)."""
+        if words.numel() != self.words:
+            raise PSError(f"rank {rank} sent {words.numel()} buffer words, the model has {self.words}")
+        with self._lock:
+            self._reports[rank] = words.detach().reshape(-1).clone()
+
+    def merged(self) -> torch.Tensor:
+        """The merged buffers (a new tensor): the reports merged, or the base before any report."""
+        with self._lock:
+            reports = dict(self._reports)
+            if not reports:
+                return self._base.clone()
+        merged = self._merge(reports)
+        if merged.numel() != self.words:
+            raise PSError(f"the buffer merge returned {merged.numel()} words, expected {self.words}")
+        return merged
+
+    @property
+    def reported_ranks(self) -> set[int]:
+        with self._lock:
+            return set(self._reports)
+
+    def fold(self) -> None:
+        """A new attempt: the merged buffers become the base, the reports are cleared."""
+        merged = self.merged()
+        with self._lock:
+            self._base, self._reports = merged, {}
+
+    def restore(self, words: torch.Tensor) -> None:
+        """A checkpoint's merged buffers as the base (reports cleared)."""
+        import torch
+
+        words = words.detach().reshape(-1).to("cpu")
+        if words.dtype is not torch.float32 or words.numel() != self.words:
+            raise PSError(f"checkpoint buffers hold {words.numel()} {words.dtype} values, the model's buffers take "
+                          f"{self.words} fp32 words; the model changed: start without --resume")
+        with self._lock:
+            self._base, self._reports = words.clone(), {}
