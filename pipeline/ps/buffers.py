@@ -61,6 +61,14 @@ class BufferStore:
             raise PSError(f"the buffer merge returned {merged.numel()} words, expected {self.words}")
         return merged
 
+    def start(self) -> torch.Tensor:
+        """What a rank starts an attempt from (a new tensor): the base — the initial or a checkpoint's
+        buffers, or those merged when the previous attempt ended — never another rank's report of this
+        attempt. In async mode one rank can finish before another connects; starting from its report
+        would count its batches twice in integer buffers (num_batches_tracked) and mix its statistics in."""
+        with self._lock:
+            return self._base.clone()
+
     @property
     def reported_ranks(self) -> set[int]:
         with self._lock:

@@ -188,7 +188,7 @@ class PullBuffersHandler(Handler[PullBuffersRequest]):
         return PullBuffersRequest(header.step)
 
     def handle(self, ctx: RequestContext, conn: RankConnection, request: PullBuffersRequest) -> Reply:
-        return Buffers(request.step, _buffer_store(ctx, "PULL_BUFFERS").merged())
+        return Buffers(request.step, _buffer_store(ctx, "PULL_BUFFERS").start())
 
 
 # Frames a worker may send after the handshake; any other type is a protocol error.

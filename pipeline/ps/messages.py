@@ -110,7 +110,7 @@ class Params:
 
 @dataclass(frozen=True)
 class Buffers:
-    """BUFFERS: the merged buffers (fp32 words), answering PULL_BUFFERS."""
+    """BUFFERS: the buffers an attempt starts from (fp32 words, ``BufferStore.start``), answering PULL_BUFFERS."""
 
     step: int
     words: Any  # torch.Tensor

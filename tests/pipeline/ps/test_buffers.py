@@ -22,16 +22,22 @@ def _store():
     return BufferStore(_words([0.0, 1.0], 0), partial(merge_buffers, LAYOUT))
 
 
-def test_ranks_push_buffers_and_pull_the_merge(make_server, make_client):
+def test_ranks_push_buffers_the_server_merges_them_and_a_pull_gets_the_attempts_start(make_server, make_client):
     server = make_server(world_size=2, buffers=_store())
     a, b = make_client(server, 0), make_client(server, 1)
     assert a.connect().buffer_words == 4 and b.connect().buffer_words == 4
     assert torch.equal(a.pull_buffers(), _words([0.0, 1.0], 0))  # the initial ones before any report
     a.push_buffers(3, _words([1.0, 2.0], 3))
     b.push_buffers(3, _words([3.0, 4.0], 3))
-    mean, count = split_buffers(LAYOUT, b.pull_buffers())
+    mean, count = split_buffers(LAYOUT, server.buffers())
     assert mean.tolist() == [2.0, 3.0] and count.item() == 3
-    assert torch.equal(server.buffers(), _words([2.0, 3.0], 3))
+    # A rank (re)connecting within the attempt starts where the attempt did, not from the others' reports
+    # (async: one rank may finish before another starts; its counter must not be counted twice).
+    assert torch.equal(b.pull_buffers(), _words([0.0, 1.0], 0))
+    server.new_generation()  # a new attempt starts from the buffers merged when the last one ended
+    retried = make_client(server, 0, generation=server.generation)
+    retried.connect()
+    assert torch.equal(retried.pull_buffers(), _words([2.0, 3.0], 3))
 
 
 def test_buffers_survive_checkpoints_and_a_new_generation(make_server, make_client, server_factory, secret):
@@ -56,7 +62,7 @@ def test_a_sharded_server_keeps_buffers_on_shard_0(make_server, make_client):
     c = make_client(server, 0)
     assert c.connect().buffer_words == 4
     c.push_buffers(0, _words([1.0, 1.0], 1))
-    assert torch.equal(c.pull_buffers(), _words([1.0, 1.0], 1))
+    assert torch.equal(server.buffers(), _words([1.0, 1.0], 1))
     assert torch.equal(server.state_dict()["buffers"], _words([1.0, 1.0], 1))
 
 
