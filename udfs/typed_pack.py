@@ -62,13 +62,8 @@ def output_columns(specs: Sequence[dict], arrays: Mapping[str, np.ndarray], tabl
 def make_typed_pack_fn(specs: Sequence[dict], vocabularies: Mapping[str, pa.Array], label: str, split_column: str,
                        label_classes: Optional[Sequence[str]], numeric_labels: bool, regression: bool,
                        allowed: Optional[Mapping[str, pa.Array]], split_offsets, split_rows,
-                       num_shards, mapped: Sequence[str] = ()) -> Callable[[Iterator[pa.RecordBatch]],
-                                                                          Iterator[pa.RecordBatch]]:
-    """`mapped`: categorical features whose column already holds the ids (mapped in Spark by
-    pipeline/etl/vocab.py, equal to udfs/transforms.vocab_ids); they are taken as they are."""
-    mapped = set(mapped)
-    transform = Transform([s for s in specs if s["name"] not in mapped],
-                          {k: v for k, v in vocabularies.items() if k not in mapped})
+                       num_shards) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    transform = Transform(specs, vocabularies)
     dealer = ShardDealer(split_offsets, split_rows, num_shards)
     labels_of = label_indexer(label_classes, numeric_labels)
 
@@ -82,8 +77,6 @@ def make_typed_pack_fn(specs: Sequence[dict], vocabularies: Mapping[str, pa.Arra
                 continue
             table = pa.Table.from_batches([batch])
             arrays, valid, _, _ = transform.apply(table)
-            for name in mapped:
-                arrays[name] = table.column(name).to_numpy().astype(np.int64)
             valid &= ~label_flags(batch, label, regression, allowed)
             if not valid.all():
                 keep = np.flatnonzero(valid)

@@ -43,27 +43,18 @@ def _counted(entries) -> list[int]:
     return [i for i, e in enumerate(entries) if e.type == "text" or (e.type == "categorical" and not e.hash_buckets)]
 
 
-def _vocab_rows(profiled, df, entries, counted: list[int], jvm: list[int], valid):
-    """Per counted feature: its top values by train count, ranked in Spark. `jvm`: the features counted by
-    a Spark SQL aggregation of the source (pipeline/etl/vocab.py); the others were counted per partition by
-    the profile pass and are summed here."""
+def _vocab_rows(profiled, entries, counted: list[int]):
+    """Per counted feature: its top values by train count (a Spark aggregation over the per-partition sums,
+    ranked in the driver from one Arrow table: pipeline/etl/vocab.py), and its distinct train values."""
     from pyspark.sql import functions as F
 
-    from pipeline.etl.vocab import ranked_vocabularies, value_counts
+    from pipeline.etl.vocab import ranked_vocabularies
 
-    if not counted and not jvm:
+    if not counted:
         return {}, {}
-    parts = []
-    if counted:
-        parts.append(profiled.where(F.col("kind") == "count").groupBy("feature", "value")
-                     .agg(F.sum("count").alias("n")))
-    if jvm:
-        parts.append(value_counts(df, {i: entries[i].name for i in jvm}, valid))
-    counts = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
-    vocab, distinct = ranked_vocabularies(counts, {i: (entries[i].min_count, entries[i].max_vocab)
-                                                   for i in counted + jvm})
-    return ({entries[i].name: vocab[i] for i in counted + jvm},
-            {entries[i].name: distinct[i] for i in counted + jvm})
+    counts = profiled.where(F.col("kind") == "count").groupBy("feature", "value").agg(F.sum("count").alias("n"))
+    vocab, distinct = ranked_vocabularies(counts, {i: (entries[i].min_count, entries[i].max_vocab) for i in counted})
+    return {entries[i].name: vocab[i] for i in counted}, {entries[i].name: distinct[i] for i in counted}
 
 
 def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, str],
@@ -75,14 +66,7 @@ def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, st
     from udfs.profile import merge_moments
     from udfs.typed_profile import OUTPUT_DDL, make_typed_profile_fn
 
-    from pipeline.etl.vocab import jvm_exact, valid_rows
-
     counted = _counted(entries) if count_values else []
-    # Categoricals whose values Spark writes as text exactly as udfs/transforms does are counted by a Spark
-    # SQL aggregation (no string column through Python), when the pack's row validity is expressible in SQL.
-    valid = valid_rows(df, entries, data, allowed) if counted else None
-    jvm = [i for i in counted if valid is not None and jvm_exact(entries[i], source_types)]
-    counted = [i for i in counted if i not in jvm]
     specs = [_raw_spec(e, source_types) for e in entries]
     fn = make_typed_profile_fn(specs, counted, data.label, SPLIT_COLUMN, data.task == "regression",
                                data.task == "classification" and allowed is None, MAX_CLASSES, allowed)
@@ -92,7 +76,7 @@ def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, st
     profiled = df.select(*[f"`{c}`" for c in needed + [data.label, SPLIT_COLUMN]]).mapInArrow(fn, OUTPUT_DDL).cache()
     try:
         rows = sorted(profiled.where("kind = 'summary'").select("pid", "summary").collect(), key=lambda r: r["pid"])
-        vocab, distinct = _vocab_rows(profiled, df, entries, counted, jvm, valid)
+        vocab, distinct = _vocab_rows(profiled, entries, counted)
     finally:
         profiled.unpersist()
     summaries = [(r["pid"], json.loads(r["summary"])) for r in rows]

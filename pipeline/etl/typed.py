@@ -3,8 +3,7 @@
 Like the classic path (run.py) it reads the source twice and never shuffles rows: a profile pass (one
 Arrow UDF per partition: counts, split sizes, numeric moments, value counts pre-summed per partition)
 and a pack pass (udfs/typed_pack.py) that writes each feature in its own dtype. Fitting in between:
-vocabularies by a Spark aggregation (pipeline/etl/vocab.py: of the source for string/integer categoricals,
-mapped to ids by broadcast joins before the pack; of the profile's per-partition counts for the others),
+vocabularies by a Spark aggregation over the profile's per-partition counts (distinct values only),
 medians by Spark ML's `Imputer`, means and deviations from the profile's moments (Chan's merge).
 """
 from __future__ import annotations
@@ -23,7 +22,6 @@ from pipeline.etl.checks import check_split_sizes, input_errors
 from pipeline.etl.clean import label_mapping
 from pipeline.etl.fit import fit_features, merge_profiles, profile_report
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
-from pipeline.etl.vocab import jvm_exact, map_to_ids
 from pipeline.errors import ConfigError, DataError
 from pipeline.shards.manifest import Manifest
 
@@ -132,7 +130,7 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
             specs, vocabularies = fit_features(spark, df, profiles, entries, data, source_types)
         else:  # the incremental workflow's later partitions: preprocessed exactly as the first
             specs = list(statistics.feature_set)
-            vocabularies = {f.vocabulary: statistics.vocabulary(f.name) for f in specs if f.vocabulary}
+            vocabularies = {f.vocabulary: statistics.vocabulary(f.name).to_pylist() for f in specs if f.vocabulary}
     log.info("profile + fit: %d rows, %d features in %.1fs", report.input_rows, len(specs), time.perf_counter() - started)
     totals = profiles.totals
     labels = None
@@ -143,30 +141,22 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
     features = FeatureSet(tuple(specs))
     spec_dicts = [s.to_dict() for s in specs]
     vocab_arrays = {s.name: pa.array(vocabularies[s.vocabulary], pa.string()) for s in specs if s.vocabulary}
-    # Learned-vocabulary categoricals are mapped to ids in Spark (broadcast joins): the pack's Python step
-    # receives int32 ids, not strings (pipeline/etl/vocab.py); the others go through udfs/transforms there.
-    mapped = {s.name: vocab_arrays[s.name] for s in specs if jvm_exact(s, source_types)}
-    df, vocab_frame = map_to_ids(spark, df, mapped)
     pack = make_typed_pack_fn(spec_dicts, vocab_arrays, data.label, SPLIT_COLUMN, labels, numeric_labels, regression,
-                              allowed, profiles.offsets, profiles.split_rows, num_shards, mapped=tuple(mapped))
+                              allowed, profiles.offsets, profiles.split_rows, num_shards)
     numeric = features.numeric
     means = [v for f in numeric for v in ([f.mean, 0.0] if f.missing_flag else [f.mean])]
     stds = [v for f in numeric for v in ([f.std, 1.0] if f.missing_flag else [f.std])]
     etl_report = {**asdict(report), "split_rows": totals, "source": data.source, "path": data.path,
                   "features": {f.name: f.type for f in features}}
-    try:
-        with input_errors(data):
-            manifest = write_shards(
-                df, pack, Workdir.of(cfg).shards, num_shards=num_shards, name=cfg.name, task=data.task,
-                feature_columns=features.numeric_columns, label_column=data.label,
-                label_mapping=list(classes) if classes is not None else labels,
-                standardized=any(f.standardize for f in numeric), means=means, stds=stds, etl_report=etl_report,
-                rows_per_row_group=cfg.shards.rows_per_row_group,
-                rows_per_file=max(1, int(cfg.shards.target_file_mb * 2**20 / row_bytes(features))),
-                features=spec_dicts, vocabularies=vocabularies)
-    finally:
-        if vocab_frame is not None:
-            vocab_frame.unpersist()
+    with input_errors(data):
+        manifest = write_shards(
+            df, pack, Workdir.of(cfg).shards, num_shards=num_shards, name=cfg.name, task=data.task,
+            feature_columns=features.numeric_columns, label_column=data.label,
+            label_mapping=list(classes) if classes is not None else labels,
+            standardized=any(f.standardize for f in numeric), means=means, stds=stds, etl_report=etl_report,
+            rows_per_row_group=cfg.shards.rows_per_row_group,
+            rows_per_file=max(1, int(cfg.shards.target_file_mb * 2**20 / row_bytes(features))),
+            features=spec_dicts, vocabularies=vocabularies)
     for split, info in manifest.splits.items():
         if info.rows != totals[split]:
             raise DataError(f"internal: wrote {info.rows} {split} rows but profiled {totals[split]}; please report this")

@@ -1,6 +1,7 @@
-"""Vocabularies counted, ranked and applied in Spark (pipeline/etl/vocab.py) give exactly the ids the served
-model's udfs/transforms computes from the raw rows: nulls, values never seen or under min_count, integer
-categoricals, ties in counts, max_vocab edges; and the same vocabularies as the Python profile's counting."""
+"""Vocabularies ranked from the train counts (pipeline/etl/vocab.py): the rule (count desc, value asc,
+min_count, max_vocab + 1 to say "over") on ties and edges, and through the real ETL the shards hold exactly
+the ids the served model's udfs/transforms computes from the raw rows: nulls, values never seen or under
+min_count, integer categoricals."""
 from __future__ import annotations
 
 from collections import Counter
@@ -13,7 +14,7 @@ import pytest
 from pipeline.data import read_tensors
 from pipeline.errors import DataError
 from pipeline.etl import run_etl
-from tests.pipeline.typed_data import png, typed_config
+from tests.pipeline.typed_data import typed_config
 
 ROWS = 400
 FEATURES = [
@@ -34,7 +35,6 @@ def _source(path, rows=ROWS) -> pa.Table:
     shop[5] = 999  # once: under min_count, out of the vocabulary
     table = pa.table({"id": np.arange(rows), "amount": pa.array(amount, pa.float64()), "city": pa.array(city),
                       "shop": pa.array(shop, pa.int64()), "vec": pa.array([[float(i), 0.0] for i in range(rows)], pa.list_(pa.float64())),
-                      "img": pa.array([png(100 * (i % 2)) for i in range(rows)], pa.binary()),
                       "label": rng.integers(0, 2, rows)})
     path.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path / "part-0.parquet")
@@ -56,7 +56,7 @@ def _reference_vocab(values, min_count: int) -> list[str]:
     return [v for v, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if n >= min_count]
 
 
-def test_spark_ids_equal_the_served_transform_on_the_raw_rows(spark, conf_dir, tmp_path):
+def test_shard_ids_equal_the_served_transform_on_the_raw_rows(spark, conf_dir, tmp_path):
     from udfs.transforms import OOV_ID, Transform
 
     raw = _source(tmp_path / "src")
@@ -78,13 +78,6 @@ def test_spark_ids_equal_the_served_transform_on_the_raw_rows(spark, conf_dir, t
             seen_ids[name].update(ids[name].tolist())
     assert {0, OOV_ID} <= seen_ids["city"] and {0, OOV_ID} <= seen_ids["shop"]  # nulls and OOV both occur
 
-    # The same input through the Python profile's counting (an image feature makes row validity
-    # undecidable in SQL): the same vocabularies.
-    python_path = run_etl(spark, typed_config(conf_dir, tmp_path / "py", str(tmp_path / "src"), FEATURES + [
-        {"name": "img", "type": "image", "height": 2, "width": 2, "channels": 1}], name="python-path"))
-    for name in ("city", "shop"):
-        assert python_path.vocabulary(name).to_pylist() == manifest.vocabulary(name).to_pylist()
-
 
 def test_over_max_vocab_fails_naming_hash_buckets(spark, conf_dir, tmp_path):
     raw = _source(tmp_path / "src", rows=200)
@@ -94,26 +87,28 @@ def test_over_max_vocab_fails_naming_hash_buckets(spark, conf_dir, tmp_path):
     assert len(set(raw.column("shop").drop_null().to_pylist())) > 3
 
 
-def test_ranking_ties_min_count_and_max_vocab_edges(spark):
-    from pyspark.sql import functions as F
+def test_ranking_ties_min_count_and_max_vocab_edges():
+    from pipeline.etl.vocab import rank_counts
 
-    from pipeline.etl.split import SPLIT_COLUMN
-    from pipeline.etl.vocab import map_to_ids, ranked_vocabularies, value_counts
+    counts = pa.table({"feature": pa.array([0, 0, 0, 0, 0, 0, 1, 1, 1], pa.int32()),
+                       "value": ["b", "a", "é", "z", "c", "d", "7", "-3", "10"],
+                       "n": pa.array([2, 2, 2, 2, 3, 1, 4, 4, 1], pa.int64())})
+    vocab, distinct = rank_counts(counts, {0: (2, 5), 1: (1, 3)})
+    assert vocab[0].to_pylist() == ["c", "a", "b", "z", "é"]  # ties by value (byte/code point order)
+    assert vocab[1].to_pylist() == ["-3", "7", "10"] and distinct == {0: 6, 1: 3}
+    assert vocab[0].to_pylist() == _reference_vocab([v for v, n in zip(counts["value"].to_pylist(),
+                                                                       counts["n"].to_pylist()[:6]) for _ in range(n)], 2)
+    vocab, _ = rank_counts(counts, {0: (2, 4)})
+    assert len(vocab[0]) == 5  # max_vocab + 1: over, fit_features names the error
+    vocab, _ = rank_counts(counts, {0: (2, 6)})
+    assert len(vocab[0]) == 5  # exactly the values reaching min_count
+    vocab, distinct = rank_counts(counts, {0: (4, 4), 2: (1, 10)})
+    assert vocab[0].to_pylist() == [] and vocab[2].to_pylist() == [] and distinct[2] == 0
 
-    values = ["b", "a", "c", "a", "b", "c", "d", "e", "e", None, "d", "f"]  # a, b, c, d, e twice: a tie of 5
-    splits = ["train"] * 11 + ["test"]
-    df = spark.createDataFrame([(v, s, i) for i, (v, s) in enumerate(zip(values, splits))],
-                               f"v string, {SPLIT_COLUMN} string, i long")
-    counts = value_counts(df, {0: "v"}, F.col("i") != 7)  # row 7 ("e") invalid: e counted once
-    vocab, distinct = ranked_vocabularies(counts, {0: (2, 4)})
-    assert vocab[0].to_pylist() == ["a", "b", "c", "d"] and distinct[0] == 5  # ties by value; f is test-only
-    vocab, _ = ranked_vocabularies(value_counts(df, {0: "v"}, F.lit(True)), {0: (2, 4)})
-    assert vocab[0].to_pylist() == ["a", "b", "c", "d", "e"]  # max_vocab + 1: over, fit_features says so
-    vocab, _ = ranked_vocabularies(value_counts(df, {0: "v"}, F.lit(True)), {0: (3, 4)})
-    assert vocab[0].to_pylist() == []  # nothing reaches min_count
-    mapped, frame = map_to_ids(spark, df, {"v": pa.array(["b", "a"])})
-    try:
-        got = [r["v"] for r in mapped.orderBy("i").collect()]
-    finally:
-        frame.unpersist()
-    assert got == [2, 3, 1, 3, 2, 1, 1, 1, 1, 0, 1, 1]
+
+def test_ranked_vocabularies_collects_a_spark_frame(spark):
+    from pipeline.etl.vocab import ranked_vocabularies
+
+    df = spark.createDataFrame([(0, "x", 3), (0, "y", 5), (0, "w", 3), (1, "q", 1)], "feature int, value string, n long")
+    vocab, distinct = ranked_vocabularies(df, {0: (3, 10), 1: (2, 10)})
+    assert vocab[0].to_pylist() == ["y", "w", "x"] and vocab[1].to_pylist() == [] and distinct == {0: 3, 1: 1}
