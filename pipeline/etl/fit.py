@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.config.feature_spec import FeatureSpec
 from pipeline.etl.clean import MAX_CLASSES, CastFrame, CleanReport, clean_report, describe_input
@@ -32,9 +33,9 @@ class Profiles:
     unknown_labels: int
     unknown_examples: list[str]
     image_error: str | None
-    # feature name -> [(value, train count)] most frequent first, at most max_vocab + 1 of those reaching
-    # min_count; and the distinct train-split values of each counted feature.
-    vocab: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    # feature name -> its values (an Arrow string array) most frequent first, ties by value, at most
+    # max_vocab + 1 of those reaching min_count; and the distinct train-split values of each counted feature.
+    vocab: dict[str, Any] = field(default_factory=dict)
     distinct: dict[str, int] = field(default_factory=dict)
 
 
@@ -43,25 +44,17 @@ def _counted(entries) -> list[int]:
 
 
 def _vocab_rows(profiled, entries, counted: list[int]):
-    """Per counted feature: its top values by train count (Spark aggregation over per-partition sums)."""
-    from pyspark.sql import Window
+    """Per counted feature: its top values by train count (a Spark aggregation over the per-partition sums,
+    ranked in the driver from one Arrow table: pipeline/etl/vocab.py), and its distinct train values."""
     from pyspark.sql import functions as F
+
+    from pipeline.etl.vocab import ranked_vocabularies
 
     if not counted:
         return {}, {}
     counts = profiled.where(F.col("kind") == "count").groupBy("feature", "value").agg(F.sum("count").alias("n"))
-    distinct = {int(r["feature"]): int(r["k"]) for r in counts.groupBy("feature").agg(F.count("*").alias("k")).collect()}
-    min_count = F.element_at(F.array(*[F.lit(entries[i].min_count if i in counted else 1)
-                                       for i in range(len(entries))]), F.col("feature") + 1)
-    limit = F.element_at(F.array(*[F.lit(entries[i].max_vocab + 1 if i in counted else 1)
-                                   for i in range(len(entries))]), F.col("feature") + 1)
-    ranked = counts.where(F.col("n") >= min_count).withColumn(
-        "rank", F.row_number().over(Window.partitionBy("feature").orderBy(F.col("n").desc(), F.col("value"))))
-    top: dict[int, list[tuple[int, str, int]]] = {}
-    for r in ranked.where(F.col("rank") <= limit).collect():
-        top.setdefault(int(r["feature"]), []).append((int(r["rank"]), r["value"], int(r["n"])))
-    vocab = {entries[i].name: [(v, n) for _, v, n in sorted(top.get(i, []))] for i in counted}
-    return vocab, {entries[i].name: distinct.get(i, 0) for i in counted}
+    vocab, distinct = ranked_vocabularies(counts, {i: (entries[i].min_count, entries[i].max_vocab) for i in counted})
+    return {entries[i].name: vocab[i] for i in counted}, {entries[i].name: distinct[i] for i in counted}
 
 
 def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, str],
@@ -166,7 +159,7 @@ def _median(spark, df, names: list[str]) -> dict[str, float]:
 
 
 def fit_features(spark, df, p: Profiles, entries, data, source_types: dict[str, str]):
-    """(FeatureSpecs in configuration order, {vocabulary path: values})."""
+    """(FeatureSpecs in configuration order, {vocabulary path: values as an Arrow string array})."""
     medians = _median(spark, df, [e.name for e in entries if e.type == "numeric" and e.impute == "median"])
     specs, vocabularies = [], {}
     for entry in entries:
@@ -186,7 +179,11 @@ def fit_features(spark, df, p: Profiles, entries, data, source_types: dict[str, 
         elif kind == "categorical" and entry.hash_buckets:
             specs.append(FeatureSpec(**common, hash_buckets=entry.hash_buckets, embedding_dim=entry.embedding_dim))
         elif kind in ("categorical", "text"):
-            values = p.vocab.get(name, [])
+            values = p.vocab.get(name)
+            if values is None:
+                import pyarrow as pa
+
+                values = pa.array([], pa.string())
             if len(values) > entry.max_vocab:
                 hint = ("set hash_buckets (e.g. hash_buckets: " f"{1 << max(10, (entry.max_vocab * 2).bit_length())})"
                         if kind == "categorical" else "raise max_vocab")
@@ -195,7 +192,7 @@ def fit_features(spark, df, p: Profiles, entries, data, source_types: dict[str, 
                     f"seen at least min_count={entry.min_count} times ({p.distinct.get(name, 0)} distinct in all, "
                     f"{describe_input(data)}); {hint}, raise min_count, or raise max_vocab")
             path = f"{VOCAB_DIR}/{name}.parquet"
-            vocabularies[path] = [v for v, _ in values]
+            vocabularies[path] = values
             extra = {"max_len": entry.max_len, "tokenize": source_types.get(name) == "string"} if kind == "text" else {}
             specs.append(FeatureSpec(**common, vocab_size=len(values), vocabulary=path, min_count=entry.min_count,
                                      embedding_dim=entry.embedding_dim, distinct_values=p.distinct.get(name, 0),

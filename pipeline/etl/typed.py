@@ -3,7 +3,8 @@
 Like the classic path (run.py) it reads the source twice and never shuffles rows: a profile pass (one
 Arrow UDF per partition: counts, split sizes, numeric moments, value counts pre-summed per partition)
 and a pack pass (udfs/typed_pack.py) that writes each feature in its own dtype. Fitting in between:
-vocabularies by a Spark aggregation over the profile's per-partition counts (distinct values only),
+vocabularies by a Spark aggregation over the profile's per-partition counts (distinct values only,
+ranked in the driver from one Arrow table: pipeline/etl/vocab.py),
 medians by Spark ML's `Imputer`, means and deviations from the profile's moments (Chan's merge).
 """
 from __future__ import annotations
