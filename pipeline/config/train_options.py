@@ -51,9 +51,10 @@ class EarlyStoppingConfig(Section):
 
 class DivergenceConfig(Section):
     """``train.divergence``: a non-finite training loss, or an epoch's train loss over ``factor`` x the best
-    epoch's, stops training and keeps the best epoch's parameters."""
+    epoch's (and over the first epoch's), stops training and keeps the best epoch's parameters."""
 
-    enabled: bool = False
+    # null: on where it is supported (train.backend=ps with ps.placement=driver), off elsewhere.
+    enabled: Optional[bool] = None
     factor: float = Field(10.0, gt=1)
     # warn: the run ends with the best epoch's model, a warning and the tag shardline.diverged;
     # fail: the run fails (DivergedError) so nothing downstream promotes it.
@@ -74,8 +75,17 @@ def check_combinations(cfg) -> None:
     if train.precision != "fp32" and p.pipeline > 1:
         raise ValueError(f"train.precision={train.precision} needs parallelism.pipeline=1 (stages exchange fp32 "
                          "activations); use train.precision=fp32")
-    watching = train.early_stopping.enabled or train.divergence.enabled
+    watching = train.early_stopping.enabled or train.divergence.enabled is True
     if watching and (train.backend != "ps" or cfg.ps.placement != "driver"):
         raise ValueError("train.early_stopping / train.divergence need train.backend=ps and ps.placement=driver "
                          "(the best epoch is kept beside the driver's parameter server); set "
                          "train.early_stopping.enabled=false and train.divergence.enabled=false")
+
+
+def divergence_on(cfg) -> bool:
+    """Whether the divergence guard watches this run: ``train.divergence.enabled``, or, when it is null,
+    wherever the guard is supported (the best epoch is kept beside the driver's parameter server)."""
+    enabled = cfg.train.divergence.enabled
+    if enabled is not None:
+        return enabled
+    return cfg.train.backend == "ps" and cfg.ps.placement == "driver"

@@ -64,9 +64,11 @@ class TrainingMonitor:
     under ``"ps"``); ``abort(reason)`` stops the workers (the PS's ``fail``)."""
 
     def __init__(self, early, divergence, epochs: int, *, snapshot: Callable[[], dict],
-                 abort: Callable[[str], None]) -> None:
+                 abort: Callable[[str], None], guard: Optional[bool] = None) -> None:
         self.early = early
         self.divergence = divergence
+        # Whether the divergence guard is on (config.train_options.divergence_on); None: divergence.enabled.
+        self.guard = bool(divergence.enabled) if guard is None else guard
         self.epochs = epochs
         self.metric = early.metric
         direction = early.direction or ("max" if "accuracy" in early.metric else "min")
@@ -78,6 +80,7 @@ class TrainingMonitor:
         self.best_epoch: Optional[int] = None
         self.best_value: Optional[float] = None
         self.lowest_train_loss = math.inf
+        self.first_train_loss: Optional[float] = None
         self.stale_epochs = 0
         self.stop: Optional[StopInfo] = None
         self._warned_metric = False
@@ -89,13 +92,16 @@ class TrainingMonitor:
             if self.stop is not None:
                 return
             epoch, loss = int(row["epoch"]), float(row.get("train_loss", math.nan))
-            if self.divergence.enabled and self._diverged(loss):
+            if self.guard and self._diverged(loss):
                 why = (f"epoch {epoch + 1}: train loss {loss:.6g} is not finite" if not math.isfinite(loss) else
                        f"epoch {epoch + 1}: train loss {loss:.6g} is over train.divergence.factor="
-                       f"{self.divergence.factor:g} x the best epoch's {self.lowest_train_loss:.6g}")
+                       f"{self.divergence.factor:g} x the best epoch's {self.lowest_train_loss:.6g} and over "
+                       f"the first epoch's {self.first_train_loss:.6g}")
                 self._stop(DIVERGED, why, epoch)
                 return
             self.lowest_train_loss = min(self.lowest_train_loss, loss)
+            if self.first_train_loss is None:
+                self.first_train_loss = loss
             value = self._value(row)
             if value is not None and (self.best_value is None or self._better(value, self.best_value)):
                 self.best, self.best_epoch, self.best_value, self.stale_epochs = self._snapshot(), epoch, value, 0
@@ -108,8 +114,11 @@ class TrainingMonitor:
                                        f"{self.early.patience})", epoch)
 
     def _diverged(self, loss: float) -> bool:
+        # Also over the first epoch's loss: worse than where training started, not a wobble of a loss that
+        # has fallen to 1e-4 (1e-3 is 10x that, and harmless).
         return not math.isfinite(loss) or (math.isfinite(self.lowest_train_loss)
-                                           and loss > self.divergence.factor * self.lowest_train_loss)
+                                           and loss > self.divergence.factor * self.lowest_train_loss
+                                           and loss > self.first_train_loss)
 
     def _value(self, row: dict) -> Optional[float]:
         value = row.get(self.metric)
@@ -137,7 +146,7 @@ class TrainingMonitor:
     def accounts_for(self, failure: WorkerTrainingFailedError) -> bool:
         """Whether a failed attempt is this monitor's stop (then the run ends with the best epoch)."""
         with self._lock:
-            if self.stop is None and self.divergence.enabled:
+            if self.stop is None and self.guard:
                 non_finite = [f for f in failure.failures.values() if "NonFiniteError" in f.error]
                 if non_finite:
                     self.stop = self._info(DIVERGED, f"rank {non_finite[0].rank}: " + non_finite[0].error.strip()
@@ -162,10 +171,13 @@ class TrainingMonitor:
 
 
 def training_monitor(cfg, *, snapshot: Callable[[], dict], abort: Callable[[str], None]) -> Optional[TrainingMonitor]:
+    from pipeline.config.train_options import divergence_on
+
     t = cfg.train
-    if not (t.early_stopping.enabled or t.divergence.enabled):
+    guard = divergence_on(cfg)
+    if not (t.early_stopping.enabled or guard):
         return None
-    return TrainingMonitor(t.early_stopping, t.divergence, t.epochs, snapshot=snapshot, abort=abort)
+    return TrainingMonitor(t.early_stopping, t.divergence, t.epochs, snapshot=snapshot, abort=abort, guard=guard)
 
 
 def epoch_lr(cfg, row: dict, version: int, steps_per_epoch: int) -> Optional[float]:

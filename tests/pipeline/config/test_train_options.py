@@ -9,7 +9,17 @@ def test_defaults_change_nothing():
     t = build({}).train
     assert t.schedule.decay == "none" and t.schedule.warmup_steps == 0
     assert t.clip_grad_norm is None and t.precision == "fp32"
-    assert not t.early_stopping.enabled and not t.divergence.enabled
+    assert not t.early_stopping.enabled and t.divergence.enabled is None
+
+
+def test_the_divergence_guard_is_on_by_default_where_it_is_supported():
+    from pipeline.config.train_options import divergence_on
+
+    assert divergence_on(build({}))
+    assert not divergence_on(build({"train": {"backend": "allreduce"}}))
+    assert not divergence_on(build({"ps": {"placement": "task"}}))
+    assert not divergence_on(build({"train": {"divergence": {"enabled": False}}}))
+    build({"train": {"backend": "allreduce"}})  # the default does not refuse what it cannot watch
 
 
 @pytest.mark.parametrize("changes, message", [

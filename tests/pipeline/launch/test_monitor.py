@@ -75,8 +75,17 @@ def test_a_loss_over_factor_times_the_best_or_not_finite_is_a_divergence(loss):
     assert len(rec.aborted) == 1
 
 
+def test_a_tiny_loss_wobbling_by_more_than_factor_is_not_a_divergence_until_worse_than_the_first_epoch():
+    monitor, rec = _monitor(divergence=DivergenceConfig(enabled=True, factor=10))
+    _feed(monitor, rec, [{"train_loss": 0.5, "val_loss": 1.0}, {"train_loss": 1e-4, "val_loss": 0.5},
+                         {"train_loss": 2e-3, "val_loss": 0.5}])  # 20x the best, still below where it started
+    assert monitor.stop is None and rec.aborted == []
+    monitor.on_epoch({"epoch": 3, "step": 40, "train_loss": 0.6, "val_loss": 2.0})
+    assert monitor.stop.kind == DIVERGED and "over the first epoch's 0.5" in monitor.stop.reason
+
+
 def test_without_the_guard_a_huge_loss_does_not_stop_training():
-    monitor, rec = _monitor()
+    monitor, rec = _monitor(divergence=DivergenceConfig(enabled=False))
     _feed(monitor, rec, [{"train_loss": 1.0, "val_loss": 1.0}, {"train_loss": 1e9, "val_loss": 1e9}])
     assert monitor.stop is None and rec.aborted == []
 
