@@ -147,8 +147,10 @@ def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRS
     each stage's total; nested stages (the vocabulary aggregation inside the typed profile) are
     subtracted from their parent afterwards by `stages`."""
     import pipeline.etl.fit as fit
+    import pipeline.etl.onepass as onepass
     import pipeline.etl.run as run
     import pipeline.etl.typed as typed
+    import pipeline.etl.vocab as vocab
     import pipeline.shards.write as write
 
     patched = []
@@ -171,6 +173,9 @@ def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRS
     wrap(run, "write_shards", "pack + write")  # the classic pack (module-level import in run.py)
     wrap(typed, "merge_profiles", "profile pass")  # typed: profile mapInArrow (cached) + summaries + vocab
     wrap(fit, "_vocab_rows", "vocab aggregation")  # called inside merge_profiles, subtracted below
+    wrap(typed, "encode_pass", "encode pass")  # typed, learned fit: pass 1 (profile + local ids + counts)
+    wrap(onepass, "summed_counts", "vocab aggregation")  # called inside encode_pass, subtracted below
+    wrap(vocab, "rank_counts", "vocab aggregation")
     wrap(typed, "fit_features", "fit (medians, specs)")
     wrap(write, "write_shards", "pack + write")  # typed: imported inside run_typed_etl at call time
     try:
@@ -183,8 +188,10 @@ def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRS
 def stages(seconds: dict[str, float], wall: float) -> dict[str, float]:
     """Each stage's own share: nested stages subtracted from their parent, the remainder named."""
     out = dict(seconds)
-    if "vocab aggregation" in out and "profile pass" in out:
-        out["profile pass"] -= out["vocab aggregation"]
+    if "vocab aggregation" in out:
+        parent = "encode pass" if "encode pass" in out else "profile pass"
+        if parent in out:
+            out[parent] -= out["vocab aggregation"]
     out["rest (read, split sizes, manifest)"] = wall - sum(out.values())
     return out
 

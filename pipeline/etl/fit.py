@@ -39,7 +39,7 @@ class Profiles:
     distinct: dict[str, int] = field(default_factory=dict)
 
 
-def _counted(entries) -> list[int]:
+def counted_features(entries) -> list[int]:
     return [i for i, e in enumerate(entries) if e.type == "text" or (e.type == "categorical" and not e.hash_buckets)]
 
 
@@ -61,13 +61,10 @@ def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, st
                    count_values: bool = True) -> Profiles:
     """Run the profile pass (udfs/typed_profile.py) once, cached, and merge its rows. count_values=False
     skips the value counts (a frozen fit needs no vocabulary)."""
-    import numpy as np
-
-    from udfs.profile import merge_moments
     from udfs.typed_profile import OUTPUT_DDL, make_typed_profile_fn
 
-    counted = _counted(entries) if count_values else []
-    specs = [_raw_spec(e, source_types) for e in entries]
+    counted = counted_features(entries) if count_values else []
+    specs = [raw_spec(e, source_types) for e in entries]
     fn = make_typed_profile_fn(specs, counted, data.label, SPLIT_COLUMN, data.task == "regression",
                                data.task == "classification" and allowed is None, MAX_CLASSES, allowed)
     # Only the columns the pass reads reach Python (Parquet pruning too): not hashed categoricals, nor, with
@@ -80,6 +77,15 @@ def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, st
     finally:
         profiled.unpersist()
     summaries = [(r["pid"], json.loads(r["summary"])) for r in rows]
+    return merge_summaries(summaries, entries, vocab, distinct)
+
+
+def merge_summaries(summaries, entries, vocab, distinct) -> Profiles:
+    """Profiles from the per-partition (pid, summary dict) pairs of a profile (or one-pass encode) pass."""
+    import numpy as np
+
+    from udfs.profile import merge_moments
+
     split_rows = {s: {} for s in SPLITS}
     offsets = {s: {} for s in SPLITS}
     totals = dict.fromkeys(SPLITS, 0)
@@ -113,7 +119,7 @@ def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, st
         image_error=image_error, vocab=vocab, distinct=distinct)
 
 
-def _raw_spec(entry, source_types: dict[str, str]) -> dict:
+def raw_spec(entry, source_types: dict[str, str]) -> dict:
     """What the profile's validity check and value counting need of an entry (before fitting)."""
     spec = entry.model_dump()
     if entry.type == "text":
