@@ -146,7 +146,6 @@ def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRS
     """Time run_etl's stages by wrapping the functions it calls (no pipeline code changes): seconds gets
     each stage's total; nested stages (the vocabulary aggregation inside the typed profile) are
     subtracted from their parent afterwards by `stages`."""
-    import pipeline.etl.fit as fit
     import pipeline.etl.onepass as onepass
     import pipeline.etl.run as run
     import pipeline.etl.typed as typed
@@ -171,8 +170,7 @@ def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRS
 
     wrap(run, "profile", "profile pass")  # the classic path's profile (one mapInArrow + collect)
     wrap(run, "write_shards", "pack + write")  # the classic pack (module-level import in run.py)
-    wrap(typed, "merge_profiles", "profile pass")  # typed: profile mapInArrow (cached) + summaries + vocab
-    wrap(fit, "_vocab_rows", "vocab aggregation")  # called inside merge_profiles, subtracted below
+    wrap(typed, "merge_profiles", "profile pass")  # typed with a frozen fit: profile mapInArrow + summaries
     wrap(typed, "encode_pass", "encode pass")  # typed, learned fit: pass 1 (profile + local ids + counts)
     wrap(onepass, "summed_counts", "vocab aggregation")  # called inside encode_pass, subtracted below
     wrap(vocab, "rank_counts", "vocab aggregation")

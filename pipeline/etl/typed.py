@@ -125,7 +125,7 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
     allowed = None if classes is None else {data.label: value_set(classes, numeric_labels)}
     if statistics is not None:  # the incremental workflow's later partitions: preprocessed exactly as the first
         with input_errors(data):
-            profiles = merge_profiles(spark, df, entries, data, allowed, source_types, count_values=False)
+            profiles = merge_profiles(spark, df, entries, data, allowed, source_types)
             report = profile_report(profiles, data, entries)
         specs = list(statistics.feature_set)
         vocabularies = {f.vocabulary: statistics.vocabulary(f.name).to_pylist() for f in specs if f.vocabulary}

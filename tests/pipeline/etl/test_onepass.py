@@ -38,7 +38,8 @@ def _source(path) -> pa.Table:
     shop = [None if i % 11 == 0 else int(v) for i, v in enumerate(rng.integers(-3, 9, ROWS))]
     tag = [None if i % 5 == 0 else f"t{int(v)}" for i, v in enumerate(rng.integers(0, 40, ROWS))]
     table = pa.table({"id": np.arange(ROWS), "amount": pa.array(amount, pa.float64()),
-                      "score": pa.array(score, pa.float64()), "city": pa.array(city), "shop": pa.array(shop, pa.int64()),
+                      "score": pa.array(score, pa.float64()), "city": pa.array(city),
+                      "shop": pa.array(shop, pa.int64()),
                       "tag": pa.array(tag), "vec": pa.array([[float(i)] for i in range(ROWS)], pa.list_(pa.float64())),
                       "label": rng.integers(0, 2, ROWS)})
     path.mkdir(parents=True, exist_ok=True)
