@@ -21,8 +21,8 @@ workers) every 0.2 s. Variants:
 
 Prints per variant: wall s, CPU s of the process tree (steadier than wall on a shared machine), rows/s,
 peak RSS of the tree (and its JVM / Python-worker / driver-Python parts, each at its own peak), the wall
-and CPU time of each ETL stage (profile pass, vocabulary aggregation, fit, pack + write, the rest; timed
-by wrapping the functions run_etl calls), c0's distinct train values and vocabulary size. Then, untimed
+and CPU time of each ETL stage (profile pass, or the typed fit's one-pass encode; vocabulary aggregation;
+fit; pack + write; the rest; timed by wrapping the functions run_etl calls), c0's distinct train values and vocabulary size. Then, untimed
 diagnostics after the ETL: the floor of any Python pass (a no-op mapInArrow over the variant's input
 columns) and its JVM-only part (the same columns decoded and summed in Spark SQL, no Arrow transfer),
 and the per-row cost of the typed ETL's per-feature work (udfs/transforms through the pack's Transform,
@@ -144,7 +144,7 @@ class TreeRSS:
 @contextmanager
 def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRSS"):
     """Time run_etl's stages by wrapping the functions it calls (no pipeline code changes): seconds gets
-    each stage's total; nested stages (the vocabulary aggregation inside the typed profile) are
+    each stage's total; nested stages (the vocabulary aggregation inside the typed encode pass) are
     subtracted from their parent afterwards by `stages`."""
     import pipeline.etl.onepass as onepass
     import pipeline.etl.run as run
