@@ -21,8 +21,8 @@ workers) every 0.2 s. Variants:
 
 Prints per variant: wall s, CPU s of the process tree (steadier than wall on a shared machine), rows/s,
 peak RSS of the tree (and its JVM / Python-worker / driver-Python parts, each at its own peak), the wall
-and CPU time of each ETL stage (profile pass, vocabulary aggregation, fit, pack + write, the rest; timed
-by wrapping the functions run_etl calls), c0's distinct train values and vocabulary size. Then, untimed
+and CPU time of each ETL stage (profile pass, or the typed fit's one-pass encode; vocabulary aggregation;
+fit; pack + write; the rest; timed by wrapping the functions run_etl calls), c0's distinct train values and vocabulary size. Then, untimed
 diagnostics after the ETL: the floor of any Python pass (a no-op mapInArrow over the variant's input
 columns) and its JVM-only part (the same columns decoded and summed in Spark SQL, no Arrow transfer),
 and the per-row cost of the typed ETL's per-feature work (udfs/transforms through the pack's Transform,
@@ -144,11 +144,12 @@ class TreeRSS:
 @contextmanager
 def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRSS"):
     """Time run_etl's stages by wrapping the functions it calls (no pipeline code changes): seconds gets
-    each stage's total; nested stages (the vocabulary aggregation inside the typed profile) are
+    each stage's total; nested stages (the vocabulary aggregation inside the typed encode pass) are
     subtracted from their parent afterwards by `stages`."""
-    import pipeline.etl.fit as fit
+    import pipeline.etl.onepass as onepass
     import pipeline.etl.run as run
     import pipeline.etl.typed as typed
+    import pipeline.etl.vocab as vocab
     import pipeline.shards.write as write
 
     patched = []
@@ -169,8 +170,10 @@ def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRS
 
     wrap(run, "profile", "profile pass")  # the classic path's profile (one mapInArrow + collect)
     wrap(run, "write_shards", "pack + write")  # the classic pack (module-level import in run.py)
-    wrap(typed, "merge_profiles", "profile pass")  # typed: profile mapInArrow (cached) + summaries + vocab
-    wrap(fit, "_vocab_rows", "vocab aggregation")  # called inside merge_profiles, subtracted below
+    wrap(typed, "merge_profiles", "profile pass")  # typed with a frozen fit: profile mapInArrow + summaries
+    wrap(typed, "encode_pass", "encode pass")  # typed, learned fit: pass 1 (profile + local ids + counts)
+    wrap(onepass, "summed_counts", "vocab aggregation")  # called inside encode_pass, subtracted below
+    wrap(vocab, "rank_counts", "vocab aggregation")
     wrap(typed, "fit_features", "fit (medians, specs)")
     wrap(write, "write_shards", "pack + write")  # typed: imported inside run_typed_etl at call time
     try:
@@ -183,8 +186,10 @@ def stage_timers(seconds: dict[str, float], cpu: dict[str, float], tree: "TreeRS
 def stages(seconds: dict[str, float], wall: float) -> dict[str, float]:
     """Each stage's own share: nested stages subtracted from their parent, the remainder named."""
     out = dict(seconds)
-    if "vocab aggregation" in out and "profile pass" in out:
-        out["profile pass"] -= out["vocab aggregation"]
+    if "vocab aggregation" in out:
+        parent = "encode pass" if "encode pass" in out else "profile pass"
+        if parent in out:
+            out[parent] -= out["vocab aggregation"]
     out["rest (read, split sizes, manifest)"] = wall - sum(out.values())
     return out
 

@@ -1,5 +1,5 @@
-"""Fitting typed features on the train split: the profile pass's results merged, vocabularies chosen,
-medians computed, and the fitted FeatureSpecs built."""
+"""Fitting typed features on the train split: a profile (or one-pass encode) pass's per-partition summaries
+merged, vocabularies checked, medians computed, and the fitted FeatureSpecs built."""
 from __future__ import annotations
 
 import json
@@ -39,47 +39,33 @@ class Profiles:
     distinct: dict[str, int] = field(default_factory=dict)
 
 
-def _counted(entries) -> list[int]:
+def counted_features(entries) -> list[int]:
     return [i for i, e in enumerate(entries) if e.type == "text" or (e.type == "categorical" and not e.hash_buckets)]
 
 
-def _vocab_rows(profiled, entries, counted: list[int]):
-    """Per counted feature: its top values by train count (a Spark aggregation over the per-partition sums,
-    ranked in the driver from one Arrow table: pipeline/etl/vocab.py), and its distinct train values."""
-    from pyspark.sql import functions as F
+def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, str]) -> Profiles:
+    """Run the profile pass (udfs/typed_profile.py) without value counts and merge its rows: what a frozen
+    fit needs (no vocabulary); a fit reads the source once instead (pipeline/etl/onepass.py)."""
+    from udfs.typed_profile import OUTPUT_DDL, make_typed_profile_fn
 
-    from pipeline.etl.vocab import ranked_vocabularies
+    counted: list[int] = []
+    specs = [raw_spec(e, source_types) for e in entries]
+    fn = make_typed_profile_fn(specs, counted, data.label, SPLIT_COLUMN, data.task == "regression",
+                               data.task == "classification" and allowed is None, MAX_CLASSES, allowed)
+    # Only the columns the pass reads reach Python (Parquet pruning too): no categorical/text column.
+    needed = [e.name for i, e in enumerate(entries) if e.type in ("numeric", "vector", "image") or i in counted]
+    profiled = df.select(*[f"`{c}`" for c in needed + [data.label, SPLIT_COLUMN]]).mapInArrow(fn, OUTPUT_DDL)
+    rows = sorted(profiled.where("kind = 'summary'").select("pid", "summary").collect(), key=lambda r: r["pid"])
+    summaries = [(r["pid"], json.loads(r["summary"])) for r in rows]
+    return merge_summaries(summaries, entries, {}, {})
 
-    if not counted:
-        return {}, {}
-    counts = profiled.where(F.col("kind") == "count").groupBy("feature", "value").agg(F.sum("count").alias("n"))
-    vocab, distinct = ranked_vocabularies(counts, {i: (entries[i].min_count, entries[i].max_vocab) for i in counted})
-    return {entries[i].name: vocab[i] for i in counted}, {entries[i].name: distinct[i] for i in counted}
 
-
-def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, str],
-                   count_values: bool = True) -> Profiles:
-    """Run the profile pass (udfs/typed_profile.py) once, cached, and merge its rows. count_values=False
-    skips the value counts (a frozen fit needs no vocabulary)."""
+def merge_summaries(summaries, entries, vocab, distinct) -> Profiles:
+    """Profiles from the per-partition (pid, summary dict) pairs of a profile (or one-pass encode) pass."""
     import numpy as np
 
     from udfs.profile import merge_moments
-    from udfs.typed_profile import OUTPUT_DDL, make_typed_profile_fn
 
-    counted = _counted(entries) if count_values else []
-    specs = [_raw_spec(e, source_types) for e in entries]
-    fn = make_typed_profile_fn(specs, counted, data.label, SPLIT_COLUMN, data.task == "regression",
-                               data.task == "classification" and allowed is None, MAX_CLASSES, allowed)
-    # Only the columns the pass reads reach Python (Parquet pruning too): not hashed categoricals, nor, with
-    # a frozen fit, any categorical/text column.
-    needed = [e.name for i, e in enumerate(entries) if e.type in ("numeric", "vector", "image") or i in counted]
-    profiled = df.select(*[f"`{c}`" for c in needed + [data.label, SPLIT_COLUMN]]).mapInArrow(fn, OUTPUT_DDL).cache()
-    try:
-        rows = sorted(profiled.where("kind = 'summary'").select("pid", "summary").collect(), key=lambda r: r["pid"])
-        vocab, distinct = _vocab_rows(profiled, entries, counted)
-    finally:
-        profiled.unpersist()
-    summaries = [(r["pid"], json.loads(r["summary"])) for r in rows]
     split_rows = {s: {} for s in SPLITS}
     offsets = {s: {} for s in SPLITS}
     totals = dict.fromkeys(SPLITS, 0)
@@ -113,7 +99,7 @@ def merge_profiles(spark, df, entries, data, allowed, source_types: dict[str, st
         image_error=image_error, vocab=vocab, distinct=distinct)
 
 
-def _raw_spec(entry, source_types: dict[str, str]) -> dict:
+def raw_spec(entry, source_types: dict[str, str]) -> dict:
     """What the profile's validity check and value counting need of an entry (before fitting)."""
     spec = entry.model_dump()
     if entry.type == "text":

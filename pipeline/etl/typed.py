@@ -1,11 +1,13 @@
 """The ETL of typed features: check and cast the source columns, profile, fit on the train split, pack.
 
-Like the classic path (run.py) it reads the source twice and never shuffles rows: a profile pass (one
-Arrow UDF per partition: counts, split sizes, numeric moments, value counts pre-summed per partition)
-and a pack pass (udfs/typed_pack.py) that writes each feature in its own dtype. Fitting in between:
-vocabularies by a Spark aggregation over the profile's per-partition counts (distinct values only,
-ranked in the driver from one Arrow table: pipeline/etl/vocab.py),
-medians by Spark ML's `Imputer`, means and deviations from the profile's moments (Chan's merge).
+A fit reads the source once (pipeline/etl/onepass.py, issue 15): pass 1 profiles every row (counts,
+split sizes, numeric moments, labels) and writes the valid rows to scratch Parquet with each learned
+categorical as a partition-local int32 id, beside each partition's local dictionary with train counts;
+the driver sums the counts and ranks the vocabularies (pipeline/etl/vocab.py); pass 2 reads the scratch
+files (ids and numbers, no strings), maps local -> global ids and writes the shards. Medians by Spark
+ML's `Imputer`, means and deviations from the profile's moments (Chan's merge). A frozen fit (a later
+workflow partition) needs no counts: a profile pass without them and the pack (udfs/typed_pack.py)
+with the frozen vocabularies, as before. No path shuffles rows.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pipeline.config.workdir import Workdir
 from pipeline.etl.checks import check_split_sizes, input_errors
 from pipeline.etl.clean import label_mapping
 from pipeline.etl.fit import fit_features, merge_profiles, profile_report
+from pipeline.etl.onepass import encode_pass, scratch_folder
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
 from pipeline.errors import ConfigError, DataError
 from pipeline.shards.manifest import Manifest
@@ -106,9 +109,6 @@ def row_bytes(features: FeatureSet) -> int:
 def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, numeric_labels: bool, statistics,
                   started: float) -> Manifest:
     from udfs.profile import value_set
-    from udfs.typed_pack import make_typed_pack_fn
-
-    from pipeline.shards.write import write_shards
 
     data = cfg.data
     if statistics is not None and not isinstance(statistics, Manifest):
@@ -122,16 +122,35 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
     df, source_types = cast_columns(selected, entries, data)
     names = [e.name for e in entries]
     df = assign_split(df, [id_column] if id_column else names + [data.label], data.split)
-    regression = data.task == "regression"
     allowed = None if classes is None else {data.label: value_set(classes, numeric_labels)}
-    with input_errors(data):
-        profiles = merge_profiles(spark, df, entries, data, allowed, source_types, count_values=statistics is None)
-        report = profile_report(profiles, data, entries)
-        if statistics is None:
+    if statistics is not None:  # the incremental workflow's later partitions: preprocessed exactly as the first
+        with input_errors(data):
+            profiles = merge_profiles(spark, df, entries, data, allowed, source_types)
+            report = profile_report(profiles, data, entries)
+        specs = list(statistics.feature_set)
+        vocabularies = {f.vocabulary: statistics.vocabulary(f.name).to_pylist() for f in specs if f.vocabulary}
+        return _pack_and_write(spark, cfg, df, None, profiles, report, specs, vocabularies, classes, numeric_labels,
+                               allowed, started)
+    with scratch_folder(Workdir.of(cfg).shards) as scratch:
+        with input_errors(data):
+            profiles, files = encode_pass(df, entries, data, allowed, source_types, scratch)
+            report = profile_report(profiles, data, entries)
             specs, vocabularies = fit_features(spark, df, profiles, entries, data, source_types)
-        else:  # the incremental workflow's later partitions: preprocessed exactly as the first
-            specs = list(statistics.feature_set)
-            vocabularies = {f.vocabulary: statistics.vocabulary(f.name).to_pylist() for f in specs if f.vocabulary}
+        return _pack_and_write(spark, cfg, df, files, profiles, report, specs, vocabularies, classes, numeric_labels,
+                               allowed, started)
+
+
+def _pack_and_write(spark, cfg: PipelineConfig, df, files, profiles, report, specs, vocabularies, classes,
+                    numeric_labels: bool, allowed, started: float) -> Manifest:
+    """The shards written: by the two-pass pack over `df` (files None: a frozen fit), or by the one-pass
+    remap over pass 1's `files`."""
+    from udfs.typed_pack import make_typed_pack_fn
+    from udfs.typed_remap import make_remap_fn
+
+    from pipeline.shards.write import write_shards
+
+    data = cfg.data
+    regression = data.task == "regression"
     log.info("profile + fit: %d rows, %d features in %.1fs", report.input_rows, len(specs), time.perf_counter() - started)
     totals = profiles.totals
     labels = None
@@ -142,8 +161,15 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
     features = FeatureSet(tuple(specs))
     spec_dicts = [s.to_dict() for s in specs]
     vocab_arrays = {s.name: pa.array(vocabularies[s.vocabulary], pa.string()) for s in specs if s.vocabulary}
-    pack = make_typed_pack_fn(spec_dicts, vocab_arrays, data.label, SPLIT_COLUMN, labels, numeric_labels, regression,
-                              allowed, profiles.offsets, profiles.split_rows, num_shards)
+    if files is None:
+        pack = make_typed_pack_fn(spec_dicts, vocab_arrays, data.label, SPLIT_COLUMN, labels, numeric_labels,
+                                  regression, allowed, profiles.offsets, profiles.split_rows, num_shards)
+        source = df
+    else:
+        pack = make_remap_fn(spec_dicts, vocab_arrays, files, data.label, SPLIT_COLUMN, labels, numeric_labels,
+                             profiles.offsets, profiles.split_rows, num_shards)
+        partitions = max(files, default=-1) + 1
+        source = spark.range(0, partitions, 1, max(1, partitions))
     numeric = features.numeric
     means = [v for f in numeric for v in ([f.mean, 0.0] if f.missing_flag else [f.mean])]
     stds = [v for f in numeric for v in ([f.std, 1.0] if f.missing_flag else [f.std])]
@@ -151,7 +177,7 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
                   "features": {f.name: f.type for f in features}}
     with input_errors(data):
         manifest = write_shards(
-            df, pack, Workdir.of(cfg).shards, num_shards=num_shards, name=cfg.name, task=data.task,
+            source, pack, Workdir.of(cfg).shards, num_shards=num_shards, name=cfg.name, task=data.task,
             feature_columns=features.numeric_columns, label_column=data.label,
             label_mapping=list(classes) if classes is not None else labels,
             standardized=any(f.standardize for f in numeric), means=means, stds=stds, etl_report=etl_report,

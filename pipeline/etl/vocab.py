@@ -1,16 +1,17 @@
 """Vocabularies of categorical/text features chosen from train-split value counts (issue 15).
 
-The counts are the profile pass's per-partition value counts (udfs/typed_profile.py), summed by a Spark
-aggregation, so Spark's shuffle and the driver see each distinct value once. The distinct counts (one row
-per distinct value: ~1.1M for the clicks bench's 5M rows) come to the driver as one Arrow table, never
-as Row objects, and are ranked there with pyarrow: min_count filter, order (count desc, value asc: Arrow
-and Spark both compare strings byte-wise, so this is the order a Spark `orderBy` gives), the first
+The counts are the one-pass encode's per-partition train counts of each distinct value
+(udfs/typed_encode.py), summed in the driver with pyarrow (pipeline/etl/onepass.summed_counts): one row
+per distinct value (~1.1M for the clicks bench's 5M rows), never Row objects, ranked there with pyarrow:
+min_count filter, order (count desc, value asc: Arrow and Spark both compare strings byte-wise, so this
+is the order a Spark `orderBy` gives), the first
 max_vocab + 1 kept (one more than allowed, so fit_features can name the "over max_vocab" error). Ids are
 0 null, 1 OOV, 2 + position, as udfs/transforms.vocab_ids assigns them.
 
 Measured and not used (bench/categorical_etl_bench.py, 1M clicks rows, local[2], CPU seconds):
 - counting in Spark SQL (one exploded `(feature, value) -> count` aggregation of the 26 string columns):
-  20 CPU s, against ~15 for moving them through Arrow in the profile and `pc.value_counts` there;
+  20 CPU s, against ~15 for moving them through Arrow in the profile and `pc.value_counts` there
+  (the two-pass design this replaced; issue 15's one pass reads the strings once, onepass.py);
 - mapping values to ids in Spark (one broadcast left join per feature, StringIndexer-like): 19-26 CPU s
   for 26 columns, against 9-13 for the whole Python lookup pass (JVM decode + Arrow transfer + pyarrow /
   pandas hash lookups). Spark ML's StringIndexer is no better: no min_count, null folded into the unseen
@@ -40,15 +41,3 @@ def rank_counts(counts: pa.Table, limits: Mapping[int, tuple[int, int]]):
         order = pc.sort_indices(kept, sort_keys=[("n", "descending"), ("value", "ascending")])
         vocab[i] = kept.column("value").take(order[:max_vocab + 1]).combine_chunks().cast(pa.string())
     return vocab, distinct
-
-
-def ranked_vocabularies(counts, limits: Mapping[int, tuple[int, int]]):
-    """`rank_counts` of a Spark (feature, value, n) DataFrame of distinct pairs, collected as Arrow."""
-    if not limits:
-        return {}, {}
-    table = counts.select("feature", "value", "n").toArrow()
-    table = pa.table({"feature": table.column("feature").cast(pa.int32()), "value": table.column("value"),
-                      "n": table.column("n").cast(pa.int64())})
-    log.info("ranking %d distinct (feature, value) train counts in the driver (%.0f MiB of Arrow)", table.num_rows,
-             table.nbytes / 2**20)
-    return rank_counts(table, limits)

@@ -104,11 +104,3 @@ def test_ranking_ties_min_count_and_max_vocab_edges():
     assert len(vocab[0]) == 5  # exactly the values reaching min_count
     vocab, distinct = rank_counts(counts, {0: (4, 4), 2: (1, 10)})
     assert vocab[0].to_pylist() == [] and vocab[2].to_pylist() == [] and distinct[2] == 0
-
-
-def test_ranked_vocabularies_collects_a_spark_frame(spark):
-    from pipeline.etl.vocab import ranked_vocabularies
-
-    df = spark.createDataFrame([(0, "x", 3), (0, "y", 5), (0, "w", 3), (1, "q", 1)], "feature int, value string, n long")
-    vocab, distinct = ranked_vocabularies(df, {0: (3, 10), 1: (2, 10)})
-    assert vocab[0].to_pylist() == ["y", "w", "x"] and vocab[1].to_pylist() == [] and distinct == {0: 3, 1: 1}

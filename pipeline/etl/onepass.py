@@ -1,0 +1,80 @@
+"""The typed ETL's one read of the source's strings (issue 15): pass 1 encodes, the driver fits, pass 2 packs.
+
+Pass 1 (udfs/typed_encode.py, one mapInArrow over the source) profiles every row, as the profile pass
+does, and writes the valid rows to a scratch folder (Arrow IPC) beside the shard set with each learned categorical
+as a partition-local int32 id, plus each partition's local dictionary with train counts. The driver sums
+those counts (pyarrow, one table of all partitions' dictionaries) and ranks the vocabularies with
+pipeline/etl/vocab.rank_counts (rule unchanged). Pass 2 (udfs/typed_remap.py) reads the scratch files,
+ints and numbers only, maps local -> global ids and writes the shards (pipeline/shards/write.py). The
+scratch folder is removed when the ETL ends, failed or not.
+
+Measured (bench/categorical_etl_bench.py): see the commit message of this module's commit; the two-pass
+design it replaces read the 26 string columns twice (JVM Parquet decode + Arrow transfer each time).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.config.workdir import hidden_sibling
+from pipeline.etl.clean import MAX_CLASSES
+from pipeline.etl.fit import counted_features, merge_summaries, raw_spec
+from pipeline.etl.split import SPLIT_COLUMN
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def scratch_folder(shards: str | Path):
+    """A hidden folder beside the shard set for pass 1's files, removed on exit (success or failure)."""
+    root = hidden_sibling(Path(shards).absolute(), "encode")
+    root.mkdir(parents=True)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def summed_counts(paths: list[str]) -> pa.Table:
+    """(feature, value, n) train counts of all partitions' dictionary files, one row per distinct pair
+    seen in train rows."""
+    from udfs.typed_encode import read_arrow
+
+    if not paths:
+        return pa.table({"feature": pa.array([], pa.int32()), "value": pa.array([], pa.string()),
+                         "n": pa.array([], pa.int64())})
+    table = pa.concat_tables([read_arrow(p) for p in paths])
+    table = table.filter(pc.greater(table.column("n"), 0))
+    summed = table.group_by(["feature", "value"]).aggregate([("n", "sum")])
+    return pa.table({"feature": summed.column("feature"), "value": summed.column("value"),
+                     "n": summed.column("n_sum")})
+
+
+def encode_pass(df, entries, data, allowed, source_types: dict[str, str], root: Path):
+    """(Profiles with the vocabularies ranked, {pid: (data, dict, remap file)}) from one pass."""
+    from udfs.typed_encode import OUTPUT_DDL, make_encode_fn
+
+    from pipeline.etl.vocab import rank_counts
+
+    specs = [raw_spec(e, source_types) for e in entries]
+    fn = make_encode_fn(specs, data.label, SPLIT_COLUMN, data.task == "regression",
+                        data.task == "classification" and allowed is None, MAX_CLASSES, allowed, str(root))
+    columns = [e.name for e in entries] + [data.label, SPLIT_COLUMN]
+    rows = df.select(*[f"`{c}`" for c in columns]).mapInArrow(fn, OUTPUT_DDL).collect()
+    summaries = sorted(((r["pid"], json.loads(r["summary"])) for r in rows), key=lambda x: x[0])
+    files = {pid: (s.pop("data"), s.pop("dict"), s.pop("remap")) for pid, s in summaries}
+    counted = counted_features(entries)
+    counts = summed_counts([d for _, d, _ in files.values() if d])
+    log.info("ranking %d distinct (feature, value) train counts in the driver (%.0f MiB of Arrow)", counts.num_rows,
+             counts.nbytes / 2**20)
+    vocab, distinct = rank_counts(counts, {i: (entries[i].min_count, entries[i].max_vocab) for i in counted}) \
+        if counted else ({}, {})
+    profiles = merge_summaries(summaries, entries, {entries[i].name: vocab[i] for i in counted},
+                               {entries[i].name: distinct[i] for i in counted})
+    return profiles, files
