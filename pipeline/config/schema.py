@@ -232,6 +232,9 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
     divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
+    # Per-step timing breakdown (data wait, forward, backward, exchange parts, ...) in every epoch row
+    # as time/*_ms; off: no extra clock reads in the step loop.
+    profile: bool = False
 
 
 class PSConfig(_Section):

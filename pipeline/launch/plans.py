@@ -106,6 +106,6 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
             model=spec, features_field=manifest.features_field, label_field=manifest.label_field,
             epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
             optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits,
-            precision=cfg.train.precision)
+            precision=cfg.train.precision, profile=cfg.train.profile)
 
     return [plan(rank) for rank in range(cfg.parallelism.tasks)]

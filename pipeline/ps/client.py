@@ -93,6 +93,8 @@ class PSClient(BufferRequests):
         self._reply_wait = _pull_wait(self.step_timeout)
         # The FAIL sent when the `with` body raises carries this rank's recent log lines.
         self._log_tail = log_tail
+        # train.profile: called with "push" once a PUSH_PULL's gradient is sent (pipeline.worker.timing).
+        self.phase_hook: Optional[Callable[[str], None]] = None
         self._secret = bytes(secret)
         self._links: list[_Link] = []
         self._info: ServerInfo | None = None
@@ -289,6 +291,8 @@ class PSClient(BufferRequests):
             raise PSError("push_pull is not available in async mode; use push() then pull()")
         what = f"parameters of version >= {step + 1} after the gradient for step {step}"
         self._send_gradient(links, MsgType.PUSH_PULL, self._flat_gradient(step, grad), step, what)
+        if self.phase_hook is not None:
+            self.phase_hook("push")
         return self._receive_params(links, what)
 
     def _send_gradient(self, links: list[_Link], msg_type: MsgType, flat: torch.Tensor, step: int,

@@ -177,18 +177,29 @@ class SyncPolicy(ConsistencyPolicy):
                 raise Refusal(f"rank {conn.rank} already pushed a gradient for step {step}")
             if not finite:
                 raise self._nonfinite(conn, step)
+            timing = self.stats.timing
+            started = timing.now()
             if self.pushed:
                 grad.add_to(core.grad_sum)
             else:  # first push of the step: one pass that overwrites the (stale) sum
                 grad.start_sum(core.grad_sum)
+                timing.first_push_at = started
+            timing.reduced_locked(started)
             self.pushed.add(conn.rank)
             self.stats.pushed_locked(conn.rank, step)
+            if len(self.pushed) == self.world_size:
+                timing.sync_wait_s += started - timing.first_push_at
             # The sum is not zeroed after the step: the next step's first push overwrites it.
-            if len(self.pushed) == self.world_size and core.update_locked(lambda: self._apply(core.grad_sum)):
+            if len(self.pushed) == self.world_size and core.update_locked(self._timed_apply):
                 self.stats.applied_locked(self.pushed)
                 self.pushed.clear()
             core.cond.notify_all()
         return step
+
+    def _timed_apply(self) -> None:
+        started = self.stats.timing.now()
+        self._apply(self.core.grad_sum)
+        self.stats.timing.applied_locked(started)
 
     def pull(self, conn: RankConnection, wanted: int) -> int:
         return self._await_version(conn, wanted)
@@ -282,7 +293,10 @@ class SspPolicy(_ClockPolicy):
             core.wait_not_stepping_locked(f"adding clock {step} of rank {conn.rank}")
             # Clock `step` is applied at version `step`: the gradient is that many versions past its pull.
             stale = step - conn.pulled_version
+            timing = self.stats.timing
+            started = timing.now()
             grad.add_to(self.ring[step % (bound + 1)], alpha=weight(self.consistency.staleness_scale, stale))
+            timing.reduced_locked(started)
             self.stats.staleness_locked(stale)
             self.clock_pushed.setdefault(step, set()).add(conn.rank)
             self.clock[conn.rank] = step + 1
@@ -296,8 +310,10 @@ class SspPolicy(_ClockPolicy):
         return step
 
     def _apply(self, clock_sum: torch.Tensor) -> None:
+        started = self.stats.timing.now()
         self.core.optimizer_step(clock_sum, self.world_size)
         clock_sum.zero_()
+        self.stats.timing.applied_locked(started)
 
     def pull(self, conn: RankConnection, wanted: int) -> int:
         """PULL(c) = "rank wants to start clock c": wait until c - slowest <= staleness."""
@@ -364,8 +380,10 @@ class AsyncPolicy(_ClockPolicy):
             self._check_clock_locked(conn, step, finite)
             core.wait_not_stepping_locked(f"applying step {step} of rank {conn.rank}")
             base = core.version
+            started = self.stats.timing.now()
             core.grad_sum.zero_()
             grad.add_to(core.grad_sum)
+            self.stats.timing.reduced_locked(started)
             scale = weight(self.consistency.staleness_scale, base - conn.pulled_version)
             if not core.update_locked(lambda: self._apply(scale)):
                 raise Refusal(f"generation {conn.generation} was superseded by generation {core.generation}")
@@ -376,8 +394,10 @@ class AsyncPolicy(_ClockPolicy):
         return base
 
     def _apply(self, scale: float) -> None:
+        started = self.stats.timing.now()
         scaled_step(self.core, self.core.grad_sum, 1, scale)
         self.core.grad_sum.zero_()
+        self.stats.timing.applied_locked(started)
 
     def pull(self, conn: RankConnection, wanted: int) -> int:
         """PULL(v) waits until version >= v (workers ask for 0: it never blocks)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.ps.timing import ServerTiming
+
 
 @dataclass
 class ShardStats:
@@ -28,6 +30,7 @@ class ShardStats:
     staleness_count: int = 0
     blocked_pulls: int = 0  # ssp: pulls that had to wait for the slowest rank
     pull_wait_s_by_rank: dict[int, float] = field(default_factory=dict)  # ssp: time blocked per rank
+    timing: ServerTiming = field(default_factory=ServerTiming)  # reduce / optimizer / slowest-rank wait
 
     def pushed_locked(self, rank: int, step: int) -> None:
         self.pushes_applied += 1
@@ -69,4 +72,5 @@ class ShardStats:
             "blocked_pulls": self.blocked_pulls,
             "pull_wait_s_by_rank": dict(self.pull_wait_s_by_rank),
             "clock_by_rank": dict(clock_by_rank),
+            **self.timing.report(),
         }

@@ -62,6 +62,15 @@ class Exchange:
         self.total_steps = total_steps
         self.stats = ExchangeStats()
         self.grad = torch.empty(info.num_params, dtype=torch.float32)
+        self.lap = _no_lap  # train.profile: the step timer's lap (pipeline.worker.timing)
+
+    def timed(self, timer):
+        """Laps of this exchange's parts go to ``timer`` (and the client's send/receive split, when it
+        is enabled: off, the client is left as it is). Returns ``timer``."""
+        self.lap = timer.lap
+        if timer.enabled:
+            self.client.phase_hook = timer.lap
+        return timer
 
     def _pull(self, wanted: int) -> tuple[int, torch.Tensor]:
         from pipeline.models import load_flat_parameters
@@ -69,13 +78,16 @@ class Exchange:
         started = time.perf_counter()
         version, params = self.client.pull(wanted)
         self.stats.wait_s += time.perf_counter() - started
+        self.lap("pull_wait")
         load_flat_parameters(self.model, params)
+        self.lap("load_params")
         return version, params
 
     def _push(self, step: int, values: torch.Tensor) -> int:
         started = time.perf_counter()
         acked = self.client.push(step, values)
         self.stats.wait_s += time.perf_counter() - started
+        self.lap("push")
         return acked
 
     def _push_pull(self, step: int, values: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -83,9 +95,11 @@ class Exchange:
         from pipeline.models import load_flat_parameters
 
         started = time.perf_counter()
-        version, params = self.client.push_pull(step, values)
+        version, params = self.client.push_pull(step, values)  # laps push (the client's hook), pull_wait
         self.stats.wait_s += time.perf_counter() - started
+        self.lap("pull_wait")
         load_flat_parameters(self.model, params)
+        self.lap("load_params")
         return version, params
 
     def _gradients(self) -> torch.Tensor:
@@ -93,6 +107,7 @@ class Exchange:
 
         finite = self.precision.unscale_for_push(self.model)  # fp16: true gradients, or zeros on overflow
         grad = flat_gradients(self.model, out=self.grad)
+        self.lap("grad_flatten")
         return grad if finite else grad.zero_()
 
     def start(self) -> int:
@@ -199,9 +214,11 @@ class AverageExchange(Exchange):
         from pipeline.ps.modes import is_sync_point
 
         self.optimizer.step(self.local_steps)
+        self.lap("exchange_other")
         self.local_steps += 1
         if is_sync_point(self.local_steps, self.total_steps, self.info.sync_every):
             delta = _flat_parameters_into(self.model, self.grad).sub_(self.base)
+            self.lap("grad_flatten")
             self.round, params = self._push_pull(self.round, delta)
             self.base.copy_(params)
         self.stats.record(0)
@@ -234,6 +251,10 @@ class AllreduceExchange(Exchange):
     def end_epoch(self, step: int) -> None:
         """Nothing: the merged model is replica 0's (its buffers are what DDP broadcasts to every replica
         before each forward), returned in its result row, not kept by the server."""
+
+
+def _no_lap(phase: str) -> None:
+    pass
 
 
 def _flat_parameters_into(model, out: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
 
     from pipeline.worker.exchange import make_exchange
     from pipeline.worker.precision import Precision
+    from pipeline.worker.timing import step_timer
 
     precision = Precision(plan.precision, device)  # fp16 on a CPU worker fails here, naming the key
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
@@ -85,6 +86,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
     exchange = make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer,
                              plan.backend, precision)
     step = exchange.begin()  # start() + the server's buffers
+    timer = exchange.timed(step_timer(plan.profile))  # train.profile; a no-op timer when off
     forward = model
     if plan.backend == "allreduce":
         from torch.nn.parallel import DistributedDataParallel
@@ -102,10 +104,13 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
     for epoch in range(first_epoch, plan.epochs):
         epoch_started = time.perf_counter()
         loss_sum, epoch_samples = 0.0, 0
+        timer.start()
         for x, y in loader.epoch(epoch, start_step=skip if epoch == first_epoch else 0):
             faults.before_step(step)
+            timer.lap("data_wait")
             if device != "cpu":
                 x, y = to_device(x, device), y.to(device, non_blocking=True)
+            timer.lap("to_device")
             for p in model.parameters():
                 p.grad = None
             try:
@@ -116,21 +121,26 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
                     raise
                 raise model_input_error(exc, plan.model, rank=plan.rank, step=step, epoch=epoch,
                                         inputs=batch_inputs(x, y)) from exc
+            timer.lap("forward")
             precision.backward(batch_loss)
             # The one device sync of a step, taken before the exchange: a NaN/Inf loss stops here,
             # before its gradient reaches the server or the replicas step on it.
             value = batch_loss.item()
             check_finite(value, rank=plan.rank, step=step, epoch=epoch)
+            timer.lap("backward")
             step = exchange.after_backward(step)
+            timer.lap("exchange_other")
             loss_sum += value * len(y)
             epoch_samples += len(y)
             logs.tick()
+            timer.lap("metrics_logs")
         seconds = time.perf_counter() - epoch_started
         last_loss = loss_sum / max(epoch_samples, 1)
         samples += epoch_samples
         epoch_steps = plan.steps_per_epoch - (skip if epoch == first_epoch else 0)
         metrics = {"epoch": epoch, "step": step, "train_loss": last_loss, "samples": epoch_samples,
-                   "seconds": seconds, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take()}
+                   "seconds": seconds, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
+                   **timer.take(seconds, epoch_steps)}
         if validation is not None:
             metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
         log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,

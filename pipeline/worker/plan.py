@@ -108,6 +108,7 @@ class WorkerPlan:
     stage: Optional[StagePlan] = None  # set only with parallelism.pipeline > 1
     deadlines: Deadlines = field(default_factory=Deadlines)
     precision: str = "fp32"  # train.precision: fp32 | bf16 | fp16
+    profile: bool = False  # train.profile: the per-step timing breakdown (pipeline.worker.timing)
 
     @property
     def task(self) -> str:

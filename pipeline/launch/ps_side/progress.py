@@ -140,6 +140,9 @@ class EpochProgress:
             values = [r[key] for r in reports.values() if key in r]
             if values:
                 row[key] = values[0]
+        from pipeline.worker.timing import summarize
+
+        row.update(summarize(reports))  # train.profile: the time/* breakdown, averaged over ranks
         return row
 
 
