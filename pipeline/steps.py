@@ -155,6 +155,9 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     report_stop(run, cfg, result.stopped)  # best-epoch tags; a divergence with on_divergence=fail raises here
     run.log_metrics({"train_seconds": result.seconds, "train_steps": result.steps,
                      "train_samples_per_s": sum(r["samples"] for r in result.ranks) / max(result.seconds, 1e-9)})
+    if cfg.train.profile:  # the server's side of the breakdown (pipeline.ps.timing), as ps/time_*
+        run.log_metrics({k: v for k, v in result.ps_stats.items() if k.startswith(("time_", "timed_"))},
+                        prefix="ps/")
     saved = _save_model(cfg, result, run.run_id)
     run.log_file(saved, MODEL_ARTIFACT_DIR)  # spec + flat parameters: what promotion re-scores a champion with
     return result

@@ -86,7 +86,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
     exchange = make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer,
                              plan.backend, precision)
     step = exchange.begin()  # start() + the server's buffers
-    timer = exchange.timed(step_timer(plan.profile))  # train.profile; a no-op timer when off
+    timer = exchange.timed(step_timer(plan.profile, device))  # train.profile; a no-op timer when off
     forward = model
     if plan.backend == "allreduce":
         from torch.nn.parallel import DistributedDataParallel

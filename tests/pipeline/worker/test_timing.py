@@ -127,3 +127,14 @@ def test_summarize_and_table():
     assert timing.summarize({0: {"loss": 1.0}}) == {}
     text = timing.table({"time/forward_ms": 3.0, "time/step_ms": 6.0})
     assert "forward" in text and "50.0%" in text and text.splitlines()[-1].startswith("step")
+
+
+def test_a_synced_timer_waits_for_the_device_before_each_reading():
+    # what a CUDA worker's timer does with torch.cuda.synchronize (no GPU here: a counting stand-in)
+    syncs = []
+    timer = timing.StepTimer(sync=lambda: syncs.append(1))
+    for phase in timing.PHASES:
+        timer.lap(phase)
+    assert len(syncs) == len(timing.PHASES)
+    assert isinstance(timing.step_timer(True, "cpu"), timing.StepTimer)
+    assert isinstance(timing.step_timer(False, "cuda:0"), timing.NullTimer)

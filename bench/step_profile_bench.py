@@ -1,0 +1,116 @@
+"""Where a step's time goes (train.profile), per backend, on one small synthetic run: one command.
+
+    .venv/bin/python bench/step_profile_bench.py [--rows 40000] [--features 64] [--hidden 128]
+        [--batch-size 128] [--epochs 2] [--backends ps-sync ps-async ps-average allreduce]
+        [--workdir /tmp/shardline-profile-bench]
+
+One local[2] SparkSession (spark.task.cpus=1), 2 workers, synthetic data through the shard ETL once (not
+timed). For each backend, `pipeline.launch.train` with train.profile=true; prints the last epoch's
+breakdown (mean ms per step over ranks, share of the step; other = the step's time outside the named
+phases), the parts' sum against the step, and the parameter server's own reduce / optimizer /
+slowest-rank wait per update (ps backend). Then the first backend 5 more times, profile off/on/off/on/off:
+median step_time_s off against on (the cost of profiling; run-to-run noise on a loaded box is larger), and
+the timer calls of one step timed alone (off: no-op calls, no clock reads).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+BACKENDS = {"ps-sync": ["train.backend=ps", "ps.mode=sync"], "ps-async": ["train.backend=ps", "ps.mode=async"],
+            "ps-average": ["train.backend=ps", "ps.mode=average"], "allreduce": ["train.backend=allreduce"]}
+
+
+def _step_time_ms(result) -> float:
+    """The last epoch's mean step time over ranks, from the loop's own clock (profiled or not)."""
+    row = result.history[-1]
+    steps = [v for k, v in row.items() if k.endswith("/step_time_s")]
+    return 1000.0 * sum(steps) / max(len(steps), 1)
+
+
+def _timer_cost_us(profile: bool, steps: int = 200_000) -> float:
+    """Microseconds per step of the loop's timer calls (start once, one lap per phase per step)."""
+    from pipeline.worker.timing import PHASES, step_timer
+
+    timer = step_timer(profile)
+    timer.start()
+    started = time.perf_counter()
+    for _ in range(steps):
+        for phase in PHASES:
+            timer.lap(phase)
+    return 1e6 * (time.perf_counter() - started) / steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=40_000)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[128])
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    parser.add_argument("--workdir", default="/tmp/shardline-profile-bench")
+    args = parser.parse_args()
+
+    from pipeline.config import load
+    from pipeline.etl import run_etl
+    from pipeline.etl.synthetic import generate
+    from pipeline.launch import train
+    from pipeline.session import get_or_create_spark
+    from pipeline.worker.timing import PHASES, PREFIX, table
+
+    conf_path = str(REPO / "conf" / "synthetic.yaml")
+    base = [f"workdir={args.workdir}", "name=profilebench", f"data.synthetic.rows={args.rows}",
+            f"data.synthetic.features={args.features}", "parallelism.data=2", "spark.master=local[2]",
+            f"model.hidden={list(args.hidden)}", f"train.batch_size={args.batch_size}",
+            f"train.epochs={args.epochs}", "tracking.log_model=false"]
+    cfg = load(conf_path, base)
+    spark_cfg = cfg.spark.model_copy(update={"conf": {**cfg.spark.conf, "spark.task.cpus": "1"}})
+    spark = get_or_create_spark(spark_cfg)
+    generate(spark, cfg.data, cfg.workdir)
+    manifest = run_etl(spark, cfg)
+
+    profiled: dict[str, float] = {}
+    for name in args.backends:
+        started = time.perf_counter()
+        result = train(spark, load(conf_path, base + BACKENDS[name] + ["train.profile=true"]), manifest)
+        wall = time.perf_counter() - started
+        row = result.history[-1]
+        parts = sum(row[f"{PREFIX}{phase}_ms"] for phase in PHASES)
+        step = row[f"{PREFIX}step_ms"]
+        profiled[name] = _step_time_ms(result)
+        print(f"\n== {name}: {result.steps} steps, {wall:.1f} s wall; epoch {row['epoch'] + 1} of {args.epochs}, "
+              f"mean over ranks (slowest rank's step {row[f'{PREFIX}step_ms_max']:.3f} ms)")
+        print(table(row))
+        print(f"named parts {parts:.3f} ms = {100 * parts / step:.1f}% of the step "
+              f"({'within' if parts >= 0.9 * step else 'NOT within'} 10%)")
+        stats = result.ps_stats
+        if name.startswith("ps") and stats.get("timed_updates"):
+            print(f"server: reduce {stats['time_reduce_ms_per_push']:.3f} ms/push, optimizer "
+                  f"{stats['time_optimizer_ms_per_update']:.3f} ms/update, slowest-rank wait "
+                  f"{stats['time_sync_wait_ms_per_update']:.3f} ms/update over {stats['timed_updates']} updates")
+    first = args.backends[0]
+    runs: dict[bool, list[float]] = {False: [], True: [profiled[first]]}
+    keys: list[str] = []
+    for profile in (False, True, False, True, False):  # interleaved: a loaded box drifts between runs
+        result = train(spark, load(conf_path, base + BACKENDS[first] + [f"train.profile={str(profile).lower()}"]),
+                       manifest)
+        runs[profile].append(_step_time_ms(result))
+        keys += [] if profile else [k for k in result.history[-1] if k.startswith(PREFIX)]
+    off, on = statistics.median(runs[False]), statistics.median(runs[True])
+    print(f"\n{first} step time, last epoch, median of {len(runs[False])} off / {len(runs[True])} on runs: "
+          f"off {off:.3f} ms {[round(v, 3) for v in runs[False]]}, on {on:.3f} ms {[round(v, 3) for v in runs[True]]} "
+          f"({100 * (on - off) / max(off, 1e-9):+.1f}%); off runs' time/* keys: {sorted(set(keys)) or 'none'}")
+    print(f"timer calls of one step, measured alone: off {_timer_cost_us(False):.2f} us, "
+          f"on {_timer_cost_us(True):.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
