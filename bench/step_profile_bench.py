@@ -40,11 +40,14 @@ def _timer_cost_us(profile: bool, steps: int = 200_000) -> float:
 
     timer = step_timer(profile)
     timer.start()
-    started = time.perf_counter()
-    for _ in range(steps):
-        for phase in PHASES:
-            timer.lap(phase)
-    return 1e6 * (time.perf_counter() - started) / steps
+    best = float("inf")
+    for _ in range(3):  # the least disturbed of 3 (a loaded box)
+        started = time.perf_counter()
+        for _ in range(steps):
+            for phase in PHASES:
+                timer.lap(phase)
+        best = min(best, time.perf_counter() - started)
+    return 1e6 * best / steps
 
 
 def main() -> int:
@@ -90,11 +93,9 @@ def main() -> int:
         print(table(row))
         print(f"named parts {parts:.3f} ms = {100 * parts / step:.1f}% of the step "
               f"({'within' if parts >= 0.9 * step else 'NOT within'} 10%)")
-        stats = result.ps_stats
-        if name.startswith("ps") and stats.get("timed_updates"):
-            print(f"server: reduce {stats['time_reduce_ms_per_push']:.3f} ms/push, optimizer "
-                  f"{stats['time_optimizer_ms_per_update']:.3f} ms/update, slowest-rank wait "
-                  f"{stats['time_sync_wait_ms_per_update']:.3f} ms/update over {stats['timed_updates']} updates")
+        if row.get("ps/updates"):  # the driver's PS: its side of the same epoch, per applied update
+            print(f"server, same epoch: reduce {row['ps/reduce_ms']:.3f} ms, optimizer {row['ps/optimizer_ms']:.3f} ms, "
+                  f"slowest-rank wait {row['ps/sync_wait_ms']:.3f} ms per update, {row['ps/updates']:.0f} updates")
     first = args.backends[0]
     runs: dict[bool, list[float]] = {False: [], True: [profiled[first]]}
     keys: list[str] = []

@@ -42,3 +42,23 @@ class ServerTiming:
                 "time_reduce_ms_per_push": 1000.0 * self.reduce_s / max(self.pushes, 1),
                 "time_optimizer_ms_per_update": 1000.0 * self.optimizer_s / max(self.updates, 1),
                 "time_sync_wait_ms_per_update": 1000.0 * self.sync_wait_s / max(self.updates, 1)}
+
+
+class EpochTiming:
+    """The server's timing between two epoch rows (train.profile, PS on the driver): ``row(stats)`` gives
+    ms per applied update of reduce (all of the update's pushes), optimizer and the slowest-rank wait."""
+
+    _KEYS = ("time_reduce_s", "time_optimizer_s", "time_sync_wait_s", "timed_updates")
+
+    def __init__(self) -> None:
+        self._last = dict.fromkeys(self._KEYS, 0.0)
+
+    def row(self, stats: dict) -> dict[str, float]:
+        now = {key: float(stats.get(key, 0.0)) for key in self._KEYS}
+        delta = {key: now[key] - self._last[key] for key in self._KEYS}
+        self._last = now
+        updates = max(delta["timed_updates"], 1.0)
+        return {"ps/reduce_ms": 1000.0 * delta["time_reduce_s"] / updates,
+                "ps/optimizer_ms": 1000.0 * delta["time_optimizer_s"] / updates,
+                "ps/sync_wait_ms": 1000.0 * delta["time_sync_wait_s"] / updates,
+                "ps/updates": delta["timed_updates"]}

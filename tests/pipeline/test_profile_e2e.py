@@ -26,5 +26,9 @@ def test_digits_with_profile_logs_the_breakdown_per_epoch(spark, tmp_path, conf_
     for epoch, row in by_epoch.items():
         parts = sum(row[f"time/{p}_ms"] for p in PHASES)
         assert 0.9 * row["time/step_ms"] <= parts <= row["time/step_ms"] * (1 + 1e-6), (epoch, row)
+    for key in ("ps/reduce_ms", "ps/optimizer_ms", "ps/sync_wait_ms", "ps/updates"):  # the server's, per epoch
+        history = client.get_metric_history(outcome.run_id, key)
+        assert sorted(m.step for m in history) == list(range(epochs)), key
+    assert all(m.value > 0 for m in client.get_metric_history(outcome.run_id, "ps/optimizer_ms"))
     metrics = client.get_run(outcome.run_id).data.metrics
     assert metrics["ps/timed_updates"] > 0 and metrics["ps/time_optimizer_s"] > 0

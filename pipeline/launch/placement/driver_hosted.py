@@ -57,6 +57,7 @@ class DriverPS:
         self._checkpointer = None
         self._bar = None
         self.monitor = None  # train.early_stopping / train.divergence (launch/monitor.py)
+        self._server_timing = None  # train.profile: pipeline.ps.timing.EpochTiming
 
     def __enter__(self) -> "DriverPS":
         from pipeline.checkpoints import Checkpointer
@@ -110,6 +111,11 @@ class DriverPS:
         lr = epoch_lr(self.run.cfg, row, self.server.version, self.run.steps_per_epoch)
         if lr is not None:
             row["lr"] = lr  # the row is the history's: the rate reaches the epoch metrics and the curves
+        if self.run.cfg.train.profile:  # the server's side of the epoch's breakdown, as ps/*_ms
+            from pipeline.ps.timing import EpochTiming
+
+            self._server_timing = self._server_timing or EpochTiming()
+            row.update(self._server_timing.row(self.server.stats))
         if self._bar is not None:
             self._bar.update_loss(row)
         if self.monitor is not None:

@@ -138,3 +138,15 @@ def test_a_synced_timer_waits_for_the_device_before_each_reading():
     assert len(syncs) == len(timing.PHASES)
     assert isinstance(timing.step_timer(True, "cpu"), timing.StepTimer)
     assert isinstance(timing.step_timer(False, "cuda:0"), timing.NullTimer)
+
+
+def test_server_epoch_timing_is_the_difference_since_the_last_row():
+    from pipeline.ps.timing import EpochTiming
+
+    epochs = EpochTiming()
+    first = epochs.row({"time_reduce_s": 0.01, "time_optimizer_s": 0.02, "time_sync_wait_s": 0.0, "timed_updates": 10})
+    assert first == pytest.approx({"ps/reduce_ms": 1.0, "ps/optimizer_ms": 2.0, "ps/sync_wait_ms": 0.0,
+                                   "ps/updates": 10})
+    second = epochs.row({"time_reduce_s": 0.04, "time_optimizer_s": 0.02, "time_sync_wait_s": 0.1, "timed_updates": 20})
+    assert second == pytest.approx({"ps/reduce_ms": 3.0, "ps/optimizer_ms": 0.0, "ps/sync_wait_ms": 10.0,
+                                    "ps/updates": 10})
