@@ -20,7 +20,7 @@ from pipeline.ps.modes import Consistency
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker import timing
-from pipeline.worker.plan import Deadlines, LoaderPlan
+from pipeline.worker.plan import Deadlines, FaultPlan, LoaderPlan
 
 PARTS = [f"time/{phase}_ms" for phase in timing.PHASES]
 
@@ -35,14 +35,15 @@ def _shard(path, rows, seed):
     return str(path)
 
 
-def _train(tmp_path, *, profile, mode="sync", epochs=2, steps=8, world=2):
+def _train(tmp_path, *, profile, mode="sync", epochs=2, steps=8, world=2, faults=None):
     spec = ModelSpec(kind="mlp", num_features=4, num_outputs=2, task="classification", hidden=(8,))
     optimizer = OptimizerSpec(lr=0.1, momentum=0.9)
     plans = [WorkerPlan(rank=r, world_size=world, generation=1,
                         train_files=(_shard(tmp_path / f"s{r}.parquet", 64, r),), validation_files=(),
                         model=spec, features_field="features", label_field="label", epochs=epochs,
                         steps_per_epoch=steps, seed=0, loader=LoaderPlan(prefetch=2), optimizer=optimizer,
-                        deadlines=Deadlines.all(10), profile=profile) for r in range(world)]
+                        deadlines=Deadlines.all(10), profile=profile,
+                        faults=faults or FaultPlan()) for r in range(world)]
     torch.manual_seed(0)
     settings = PSSettings(optimizer=optimizer, consistency=Consistency(mode),
                           step_timeout=Timeout.of(10, STEP_KEY))
@@ -94,6 +95,20 @@ def test_the_parts_of_every_epoch_add_up_to_its_step_time(tmp_path, mode):
     assert stats["timed_updates"] == stats["pushes_applied"] if mode == "async" else stats["timed_updates"] > 0
     assert stats["time_optimizer_s"] > 0 and stats["time_reduce_s"] > 0
     assert (stats["time_sync_wait_s"] > 0) == (mode != "async")
+
+
+def test_a_slow_rank_shows_as_its_own_data_wait_and_as_its_peers_pull_wait(tmp_path):
+    # faults.slow_rank sleeps before each of rank 0's steps, where its loader's next() is: rank 0's data_wait
+    # holds the sleep (a lower bound a sleep guarantees), and rank 1, in sync, waits for rank 0 in pull_wait.
+    slow_s = 0.05
+    reports, _, stats = _train(tmp_path, profile=True, epochs=1, faults=FaultPlan(slow_rank=0, slow_s=slow_s))
+    assert len(reports) == 2  # one epoch, two ranks
+    slow = max(reports, key=lambda r: r["time/data_wait_ms"])
+    fast = min(reports, key=lambda r: r["time/data_wait_ms"])
+    assert slow["time/data_wait_ms"] >= 1000 * slow_s
+    assert fast["time/data_wait_ms"] < 1000 * slow_s
+    assert fast["time/pull_wait_ms"] > 0.5 * 1000 * slow_s > slow["time/pull_wait_ms"]
+    assert stats["time_sync_wait_ms_per_update"] > 0.5 * 1000 * slow_s  # the server saw the same wait
 
 
 def test_sync_server_times_one_update_per_step(tmp_path):
