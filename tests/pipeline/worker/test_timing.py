@@ -105,9 +105,11 @@ def test_a_slow_rank_shows_as_its_own_data_wait_and_as_its_peers_pull_wait(tmp_p
     assert len(reports) == 2  # one epoch, two ranks
     slow = max(reports, key=lambda r: r["time/data_wait_ms"])
     fast = min(reports, key=lambda r: r["time/data_wait_ms"])
-    assert slow["time/data_wait_ms"] >= 1000 * slow_s
-    assert fast["time/data_wait_ms"] < 1000 * slow_s
-    assert fast["time/pull_wait_ms"] > 0.5 * 1000 * slow_s > slow["time/pull_wait_ms"]
+    assert slow["time/data_wait_ms"] >= 1000 * slow_s  # a sleep's lower bound, whatever the machine's load
+    # Relations, not bounds: the fast rank's wait is the slow rank's sleep, the slow rank finds its peer's
+    # push already there.
+    assert fast["time/pull_wait_ms"] > slow["time/pull_wait_ms"]
+    assert fast["time/pull_wait_ms"] > fast["time/data_wait_ms"]
     assert stats["time_sync_wait_ms_per_update"] > 0.5 * 1000 * slow_s  # the server saw the same wait
 
 
