@@ -38,5 +38,6 @@ def test_two_seeds_of_digits_reach_the_bar_with_the_default_rules(spark, bench, 
     assert len(lines) == 3
     for run in runs:
         assert run["accuracy"] >= 0.9, runs
-    if mode == "async":
-        assert all(r["staleness_max"] >= 1 for r in runs), runs  # the runs really were asynchronous
+    # No assert on the staleness seen: whether the two ranks overlap at all is the scheduler's (on a loaded
+    # 2-core box one rank can finish before the other connects, staleness 0). The staleness rules themselves
+    # are tested deterministically on a real PS in tests/pipeline/ps/test_staleness.py.
