@@ -1,7 +1,6 @@
 """Model construction from a plain, picklable spec, so executors rebuild exactly the driver's model."""
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -109,18 +108,9 @@ def _labels(labels: Optional[tuple[str, ...]], num_classes: Optional[int]) -> tu
 
 
 def _resolve_factory(path: str) -> Callable[..., Any]:
-    from pipeline.errors import ConfigError
+    from pipeline.models.resolve import resolve_callable
 
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"model.factory: cannot import module {module_name!r} ({exc}); "
-                          "it must be importable on the driver and on every executor") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"model.factory: {module_name!r} has no callable {attr!r}")
-    return factory
+    return resolve_callable(path, "model.factory")
 
 
 def _is_classic(factory: Callable[..., Any]) -> bool:

@@ -22,7 +22,6 @@ evaluation's mse/rmse/mae on the label's.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -197,15 +196,6 @@ def make_loss(spec) -> Callable:
 
 
 def _resolve(path: str) -> Callable[..., Any]:
-    from pipeline.errors import ConfigError
+    from pipeline.models.resolve import resolve_callable
 
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"model.loss: cannot import module {module_name!r} ({exc}); it must be importable on "
-                          "the driver and on every executor") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"model.loss: {module_name!r} has no callable {attr!r}")
-    return factory
+    return resolve_callable(path, "model.loss")
