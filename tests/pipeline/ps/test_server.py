@@ -15,7 +15,7 @@ from pipeline.errors import AuthenticationError, PSError, PSTimeoutError, Worker
 from pipeline.ps import OptimizerSpec, ParameterServer, PSClient
 from pipeline.ps.protocol import Channel, Header, MsgType
 from pipeline.wire.deadline import deadline_after
-from pipeline.wire.frames import MAGIC
+from pipeline.wire.frames import HEADER_SIZE, MAGIC
 from pipeline.wire.handshake import auth_mac
 
 TIMEOUT_S = 1.5
@@ -371,8 +371,13 @@ def test_close_wakes_waiters_and_is_idempotent(make_server, make_client, backgro
     server = make_server(world_size=2, timeout_s=30)
     c0 = make_client(server, 0)
     c0.connect()
+    before = server.stats["bytes_received"]
     waiter = background(lambda: waiting_pull(c0))
-    wait_for_waiter(server)
+    # Not wait_for_waiter: the PUSH itself counts as in flight while it is handled, so close() could
+    # come before the PULL is sent (then the client sees a closed socket, not the shutdown). Wait until
+    # the PULL's header has been read too: PUSH header + 6 floats + PULL header.
+    wait_until(lambda: server.stats["bytes_received"] - before >= 2 * HEADER_SIZE + 6 * 4
+               and server.stats["requests_in_flight"] >= 1, "rank 0's PULL to reach the server")
     server.close()
     server.close()
     error = waiter.outcome()
