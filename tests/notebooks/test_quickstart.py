@@ -53,5 +53,11 @@ def test_quickstart_executes_as_ipynb_on_a_kernel(tmp_path, monkeypatch, noteboo
     assert not [output for output in outputs if output.output_type == "error"]
     stdout = "".join(output.text for output in outputs if output.output_type == "stream" and output.name == "stdout")
     assert "mlflow run id:" in stdout
+    # The live step bar is a tqdm widget in a notebook, not text lines with carriage returns.
+    widgets = [output for output in outputs if output.output_type == "display_data"
+               and "application/vnd.jupyter.widget-view+json" in output.get("data", {})]
+    assert widgets, f"no widget output among {[output.output_type for output in outputs]}"
+    assert any("training" in output["data"].get("text/plain", "") for output in widgets)
+    assert "\r" not in stdout
     metrics = printed_metrics(stdout)
     assert set(metrics) >= {"loss", "accuracy", "macro_f1"} and metrics["accuracy"] > 0.8

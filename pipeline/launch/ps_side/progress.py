@@ -147,42 +147,53 @@ class EpochProgress:
 
 
 class StepProgress:
-    """A live progress bar on a terminal (steps, steps/s, last loss, ETA), fed by polling the PS version.
+    """The live step bar (steps, steps/s, last loss, ETA), fed by polling the PS version, drawn by tqdm.
 
-    Off a terminal (logs, spark-submit, CI) it stays silent: the per-epoch lines already say the same
-    thing without control characters.
+    Why tqdm.auto and not our own bar: it is a widget in Jupyter and Databricks notebooks (an IPython
+    kernel with ipywidgets), a bar on a terminal, and it knows terminal widths and rate smoothing.
+    Off both (logs, spark-submit, CI) it stays silent: the per-epoch log lines already say the same thing
+    without control characters. ``stream`` forces a plain-text bar on that stream (drawn only if it is a
+    terminal); by default the bar goes where tqdm.auto puts it.
     """
 
-    def __init__(self, version: Callable[[], int], total_steps: int, stream=None, interval_s: float = 0.5,
-                 width: int = 30):
+    def __init__(self, version: Callable[[], int], total_steps: int, stream=None, interval_s: float = 0.5):
         import sys
+
+        from tqdm.auto import tqdm as auto_bar
+        from tqdm.notebook import tqdm as notebook_bar
 
         self._version = version
         self._total = max(total_steps, 1)
-        self._stream = stream if stream is not None else sys.stderr
         self._interval_s = interval_s
-        self._width = width
         self._loss: Optional[float] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.enabled = bool(getattr(self._stream, "isatty", lambda: False)())
+        self._bar = None
+        self._shown_loss: Optional[float] = None
+        self.notebook = stream is None and issubclass(auto_bar, notebook_bar)  # an IPython kernel with widgets
+        if self.notebook:
+            self._bar_class, self._stream = auto_bar, None
+            self.enabled = True
+        else:
+            from tqdm.std import tqdm as text_bar
+
+            self._bar_class = text_bar
+            self._stream = stream if stream is not None else sys.stderr
+            self.enabled = bool(getattr(self._stream, "isatty", lambda: False)())
 
     def update_loss(self, row: dict) -> None:
         self._loss = row.get("train_loss", self._loss)
 
-    def render(self, done: int, elapsed_s: float, counted: Optional[int] = None) -> str:
-        """One bar line; the rate is `counted` steps (default: all done) over `elapsed_s`."""
-        counted = done if counted is None else counted
-        rate = counted / elapsed_s if elapsed_s > 0 else 0.0
-        filled = int(self._width * min(done, self._total) / self._total)
-        eta = f"{(self._total - done) / rate:.0f}s" if rate > 0 else "?"
-        loss = f" | loss {self._loss:.4f}" if self._loss is not None else ""
-        return (f"[{'#' * filled}{'.' * (self._width - filled)}] {done}/{self._total} steps | "
-                f"{rate:.1f} steps/s{loss} | ETA {eta}")
-
     def __enter__(self) -> "StepProgress":
-        self._stop.clear()  # entered once per barrier attempt: a retry draws too
+        self._stop.clear()  # entered once per barrier attempt: a retry draws a bar of its own
         if self.enabled:
+            # Made here, on the caller's thread: in a notebook the widget belongs to the running cell.
+            # A resumed run starts where the checkpoint left off (initial): rate and ETA count this
+            # attempt's steps only.
+            kwargs = {} if self._stream is None else {"file": self._stream}
+            self._bar = self._bar_class(total=self._total, initial=min(self._version(), self._total),
+                                        desc="training", unit="step", dynamic_ncols=True,
+                                        mininterval=self._interval_s, leave=True, **kwargs)
             self._thread = threading.Thread(target=self._run, name="shardline-progress", daemon=True)
             self._thread.start()
         return self
@@ -191,24 +202,25 @@ class StepProgress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
-            self._stream.write("\n")
-            self._stream.flush()
+            self._thread = None
+        if self._bar is not None:
+            self._draw()  # the final count, also when training stopped early
+            self._bar.close()
+            self._bar = None
+
+    def _draw(self) -> None:
+        bar = self._bar
+        if self._loss is not None and self._loss != self._shown_loss:
+            self._shown_loss = self._loss
+            bar.set_postfix_str(f"loss {self._loss:.4f}", refresh=False)
+        done = min(self._version(), self._total)
+        if done > bar.n:
+            bar.update(done - bar.n)
 
     def _run(self) -> None:
-        import time
-
-        # The clock starts at the first applied step, so executor start-up does not dilute the rate.
-        started: Optional[float] = None
-        start_version = self._version()
         while not self._stop.wait(self._interval_s):
-            done = self._version()
-            if started is None and done > start_version:
-                started, start_version = time.monotonic(), done
-            elapsed = time.monotonic() - started if started is not None else 0.0
-            rate_done = done - start_version if started is not None else 0
-            self._stream.write("\r" + self.render(done, elapsed, rate_done) + "\x1b[K")
-            self._stream.flush()
-            if done >= self._total:
+            self._draw()
+            if self._bar.n >= self._total:
                 return
 
 
