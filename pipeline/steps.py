@@ -219,6 +219,21 @@ def run_all(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome
 def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False,
                        initial_parameters=None, tags: Optional[dict] = None) -> PipelineOutcome:
     """Training, evaluation and model logging on a shard set, in one MLflow run."""
+    return tracked_training(spark, cfg, manifest, resume, initial_parameters, tags).outcome
+
+
+@dataclass
+class TrackedTraining:
+    """What ``tracked_training`` did: the run's outcome, and the training result itself (spec, merged
+    state, history) for a caller that keeps the model (the Spark ML estimator)."""
+
+    outcome: PipelineOutcome
+    result: object  # pipeline.launch.TrainResult
+
+
+def tracked_training(spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False,
+                     initial_parameters=None, tags: Optional[dict] = None) -> TrackedTraining:
+    """``train_and_evaluate``, also handing back the training result. Nested under an active MLflow run."""
     from pipeline.tracking import start_run
 
     run_id = _resume_run_id(cfg, resume)
@@ -230,7 +245,8 @@ def train_and_evaluate(spark, cfg: PipelineConfig, manifest: Manifest, resume: b
         evaluation = _evaluate_into(run, spark, cfg, manifest, result.spec, result.parameters)
         model_uri = _log_model(run, spark, cfg, manifest, result.spec, result.parameters)
         _record_model_uri(cfg, run.run_id, model_uri)
-    return PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, result.seconds, model_uri)
+    return TrackedTraining(PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, result.seconds,
+                                           model_uri), result)
 
 
 def registered_name(cfg: PipelineConfig) -> str:

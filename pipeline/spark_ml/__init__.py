@@ -19,8 +19,10 @@
 `fit` writes the selected input (the vector column expanded to f0..fN-1, or the inputCols as they are with
 Vectors as arrays; the label; a row id fixed once) as a Parquet source under the workdir and runs the usual
 steps on it: `run_etl` (balanced shards, train-only statistics and vocabularies), `pipeline.launch.train`
-(barrier workers), `pipeline.evaluate` on the test split. No MLflow here (only pipeline.tracking talks to
-MLflow). The fitted `ShardlineModel` holds the model spec, the flat fp32 state (parameters + buffers), the
+(barrier workers), `pipeline.evaluate` on the test split; in an MLflow run of its own when tracking was
+asked for (an active run, `tracking.uri`, MLFLOW_TRACKING_URI: pipeline/spark_ml/tracking.py), nested under
+an active run — so a `pyspark.ml.tuning` search logs one child run per fit. The fitted `ShardlineModel`
+holds the model spec, the flat fp32 state (parameters + buffers), the
 fitted features (or, classic, the standardization statistics), the vocabularies and the label values; `transform` scores
 with a vectorized Arrow UDF (udfs/predict.py) through udfs.transforms.Transform, the ETL's preprocessing.
 Persistence is Spark ML's: params metadata through `DefaultParamsWriter`, the model state as JSON + raw
@@ -40,7 +42,8 @@ import numpy as np
 from pyspark import keyword_only
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.param.shared import HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol
+from pyspark.ml.param.shared import (HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol,
+                                     HasRawPredictionCol)
 from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable,
                              DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter)
 
@@ -59,7 +62,7 @@ STATE_DIR = "shardline"
 STATE_FORMAT = 2  # 2 adds the fitted features and vocabularies; format 1 (classic) still loads
 
 
-class _ShardlineParams(HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol):
+class _ShardlineParams(HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol):
     configPath = Param(Params._dummy(), "configPath",
                        "optional YAML config (layered on conf/base.yaml next to it when present)",
                        typeConverter=TypeConverters.toString)
@@ -90,7 +93,7 @@ class _ShardlineParams(HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabi
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(featuresCol="features", labelCol="label", predictionCol="prediction",
-                         probabilityCol="probability", overrides=[])
+                         probabilityCol="probability", rawPredictionCol="rawPrediction", overrides=[])
 
     def getConfigPath(self) -> Optional[str]:
         return self.getOrDefault(self.configPath) if self.isDefined(self.configPath) else None
@@ -124,6 +127,7 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
     @keyword_only
     def __init__(self, *, featuresCol: str = "features", labelCol: str = "label",
                  predictionCol: str = "prediction", probabilityCol: str = "probability",
+                 rawPredictionCol: str = "rawPrediction",
                  configPath: Optional[str] = None, overrides: Optional[list[str]] = None,
                  workdir: Optional[str] = None, name: Optional[str] = None, parallelism: Optional[int] = None,
                  modelKind: Optional[str] = None, hidden: Optional[list[int]] = None, epochs: Optional[int] = None,
@@ -136,7 +140,8 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
     @keyword_only
     def setParams(self, *, featuresCol: str = "features", labelCol: str = "label",
                   predictionCol: str = "prediction", probabilityCol: str = "probability",
-                  configPath: Optional[str] = None, overrides: Optional[list[str]] = None,
+                  rawPredictionCol: str = "rawPrediction",
+                 configPath: Optional[str] = None, overrides: Optional[list[str]] = None,
                   workdir: Optional[str] = None, name: Optional[str] = None, parallelism: Optional[int] = None,
                   modelKind: Optional[str] = None, hidden: Optional[list[int]] = None, epochs: Optional[int] = None,
                   batchSize: Optional[int] = None, learningRate: Optional[float] = None,
@@ -145,10 +150,17 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
         kwargs = {k: v for k, v in self._input_kwargs.items() if v is not None}
         return self._set(**kwargs)
 
-    def pipeline_config(self, input_path: Optional[str] = None, features: Optional[list] = None) -> PipelineConfig:
+    def pipeline_config(self, input_path: Optional[str] = None, features: Optional[list] = None,
+                        overlay: Optional[dict] = None) -> PipelineConfig:
         """The resolved config: configPath (on its base.yaml), then the typed Params, then `overrides`;
         with input_path, the data section points at the Parquet copy of the input frame and its `features`
-        (data.features items) replace the configured ones."""
+        (data.features items) replace the configured ones; `overlay` (nested keys) goes on top."""
+        merged = self._merged(input_path, features)
+        if overlay:
+            merged = deep_merge(merged, overlay)
+        return build(merged, f"ShardlineEstimator({self.getConfigPath() or 'defaults'})")
+
+    def _merged(self, input_path: Optional[str], features: Optional[list]) -> dict:
         path = self.getConfigPath()
         merged: dict = {}
         if path is not None:
@@ -165,7 +177,15 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
             data = {"source": "parquet", "path": input_path, "label": LABEL, "id_column": ROW_ID,
                     "features": list(features or [])}
             merged = deep_merge(merged, {"data": data})
-        return build(merged, f"ShardlineEstimator({path or 'defaults'})")
+        return merged
+
+    def copy(self, extra=None) -> "ShardlineEstimator":
+        from pipeline.spark_ml.tracking import current_run
+
+        that = super().copy(extra)
+        # Plain values: the run active on the copying thread, for a fit on another (see spark_ml.tracking).
+        that._parent_run = current_run() or getattr(self, "_parent_run", None)
+        return that
 
     def _fit(self, dataset) -> "ShardlineModel":
         from pipeline.etl import run_etl
@@ -176,17 +196,30 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
         target = Workdir.of(probe).spark_ml_input
         features = input_copy(dataset, self.getInputCols(), self.getFeaturesCol(), self.getLabelCol(), probe,
                               target)
-        cfg = self.pipeline_config(str(target), features)
+        from pipeline.spark_ml.tracking import tracking_overlay
+
+        explicit = bool((self._merged(None, None).get("tracking") or {}).get("uri"))
+        overlay, tags = tracking_overlay(explicit, getattr(self, "_parent_run", None))
+        cfg = self.pipeline_config(str(target), features, overlay)
         spark = dataset.sparkSession
         manifest = run_etl(spark, cfg)
-        result = train(spark, cfg, manifest)
+        has_test = "test" in manifest.splits and manifest.split("test").rows > 0
         metrics: dict[str, float] = {}
-        if "test" in manifest.splits and manifest.split("test").rows > 0:
-            metrics = dict(evaluate(spark, manifest, result.spec, result.parameters, "test").metrics)
+        if overlay is not None and has_test:  # an MLflow run, as the steps write it (see spark_ml.tracking)
+            from pipeline.steps import tracked_training
+
+            tracked = tracked_training(spark, cfg, manifest, tags={"shardline.entry": "spark_ml", **tags})
+            result, metrics = tracked.result, dict(tracked.outcome.test_metrics)
+            log.info("fit logged MLflow run %s (%s)", tracked.outcome.run_id, tracked.outcome.model_uri)
+        else:
+            result = train(spark, cfg, manifest)
+            if has_test:
+                metrics = dict(evaluate(spark, manifest, result.spec, result.parameters, "test").metrics)
         parameters = result.parameters.detach().cpu().numpy().astype(np.float32) \
             if hasattr(result.parameters, "detach") else np.asarray(result.parameters, dtype=np.float32)
         model = ShardlineModel(featuresCol=self.getFeaturesCol(), predictionCol=self.getPredictionCol(),
-                               probabilityCol=self.getProbabilityCol())
+                               probabilityCol=self.getProbabilityCol(),
+                               rawPredictionCol=self.getRawPredictionCol())
         typed = bool(self.getInputCols())
         model._set_state(spec=result.spec.to_dict(), parameters=parameters, means=list(manifest.means),
                          stds=list(manifest.stds), task=manifest.task,
@@ -222,7 +255,7 @@ class ShardlineModel(Model, _ShardlineParams, MLReadable, MLWritable):
 
     @keyword_only
     def __init__(self, *, featuresCol: str = "features", predictionCol: str = "prediction",
-                 probabilityCol: str = "probability") -> None:
+                 probabilityCol: str = "probability", rawPredictionCol: str = "rawPrediction") -> None:
         super().__init__()
         self._set(**self._input_kwargs)
         self._state: Optional[dict] = None
@@ -300,7 +333,12 @@ class ShardlineModel(Model, _ShardlineParams, MLReadable, MLWritable):
         outputs = [F.col(f"{tmp}.prediction").alias(self.getPredictionCol())]
         if classification and self.getProbabilityCol():
             outputs.append(array_to_vector(F.col(f"{tmp}.probability")).alias(self.getProbabilityCol()))
-        replaced = {self.getPredictionCol(), self.getProbabilityCol()}
+        if classification and self.getRawPredictionCol():
+            # Log-probabilities: the logits up to a per-row constant, which is all a ranking evaluator
+            # (BinaryClassificationEvaluator's areaUnderROC/PR) reads; floored so a 0 stays finite.
+            logp = F.transform(F.col(f"{tmp}.probability"), lambda p: F.log(F.greatest(p, F.lit(1e-38))))
+            outputs.append(array_to_vector(logp).alias(self.getRawPredictionCol()))
+        replaced = {self.getPredictionCol(), self.getProbabilityCol(), self.getRawPredictionCol()}
         return scored.select(*[F.col(f"`{c}`") for c in dataset.columns if c not in replaced], *outputs)
 
     def write(self) -> "ShardlineModelWriter":

@@ -288,3 +288,16 @@ def start_run(tracking_uri: str, experiment: str, run_name: str | None = None,
     logger.info("started run %s (%s) in experiment %s at %s", run.info.run_id, run.info.run_name,
                 experiment, tracking_uri)
     return TrackedRun(client, run.info.run_id, experiment_id, tracking_uri)
+
+
+def active_run_store() -> tuple[str, str, str] | None:
+    """(tracking URI, experiment name, run id) of the MLflow run active in this process, or None: where a
+    run started now (``start_run``) nests under it."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    active = mlflow.active_run()
+    if active is None:
+        return None
+    uri = mlflow.get_tracking_uri()
+    return uri, MlflowClient(uri).get_experiment(active.info.experiment_id).name, active.info.run_id

@@ -30,7 +30,7 @@ ALLOWED = {
     "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints"},
     "workflow": {"config", "etl", "shards", "steps", "tracking"},
     "cli": {"config", "session", "steps", "workflow", "score"},
-    "spark_ml": {"config", "etl", "launch", "evaluate", "models"},
+    "spark_ml": {"config", "etl", "launch", "evaluate", "models", "steps", "tracking"},
     "score": {"config", "shards", "models", "tracking"},
 }
 

@@ -70,7 +70,9 @@ def fitted(spark, digits, tmp_path_factory):
                                    name="digits_ml", parallelism=2, hidden=[64], epochs=6, batchSize=32,
                                    overrides=["train.lr=0.05", "ps.timeout_s=60"])
     pipeline = Pipeline(stages=[VectorAssembler(inputCols=pixels, outputCol="features"), estimator])
-    model = pipeline.fit(train_df)
+    with pytest.MonkeyPatch.context() as env:  # an earlier test's tracking URI would make the fit log
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)
+        model = pipeline.fit(train_df)
     return model, held_out, root
 
 
@@ -195,7 +197,9 @@ def typed_fitted(spark, typed_frame, tmp_path_factory):
                                    overrides=["train.lr=0.1", "ps.timeout_s=60",
                                               "data.features=[age, {name: city, type: categorical, embedding_dim: 4}]"])
     ages = SQLTransformer(statement="SELECT *, days / 365.25 AS age FROM __THIS__")
-    model = Pipeline(stages=[ages, estimator]).fit(typed_frame.where("row % 4 != 0"))
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)
+        model = Pipeline(stages=[ages, estimator]).fit(typed_frame.where("row % 4 != 0"))
     # Held-out rows with a city never seen in training (scored with the out-of-vocabulary id) and a null one.
     held_out = typed_frame.where("row % 4 = 0").selectExpr(
         "row", "days", "label",
