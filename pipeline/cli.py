@@ -1,4 +1,5 @@
-"""The `shardline` command: generate | etl | train | evaluate | run, each on a layered config plus overrides.
+"""The `shardline` command: generate | etl | train | evaluate | run | promote | score | workflow | tune,
+each on a layered config plus overrides.
 
     shardline run --config conf/digits.yaml parallelism.data=2 train.epochs=5 ps.mode=sync
 """
@@ -26,6 +27,8 @@ COMMANDS = {
              "--output ...); Parquet predictions written atomically",
     "workflow": "scheduled run: ETL only new date partitions, train on all, evaluate, promote (no-op when "
                 "nothing changed)",
+    "tune": "hyperparameter search (Optuna) over tune.space: each trial a training run nested under one MLflow "
+            "run; resumes an interrupted study; writes and registers the best",
 }
 
 
@@ -43,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--input", required=True, help="Parquet path or table name")
             cmd.add_argument("--output", required=True,
                              help="output Parquet folder (must not exist unless score.overwrite=true)")
+        if name == "tune":
+            cmd.add_argument("--trials", type=int, default=None, help="trials in the study (default tune.trials); "
+                             "an interrupted study runs only the ones still missing")
         if name in ("train", "run"):
             cmd.add_argument("--resume", action="store_true",
                              help="continue from the newest checkpoint in train.checkpoint_dir (same shards, "
@@ -74,7 +80,7 @@ def configure_logging(level: str) -> None:
 
 def run_command(command: str, config: Optional[str], overrides: Sequence[str], base: Optional[str] = None,
                 resume: bool = False, model: Optional[str] = None, input: Optional[str] = None,
-                output: Optional[str] = None):
+                output: Optional[str] = None, trials: Optional[int] = None):
     """Load the config, get the Spark session and run one step; returns what the step returned."""
     from pipeline import steps
     from pipeline.config import load
@@ -100,6 +106,10 @@ def run_command(command: str, config: Optional[str], overrides: Sequence[str], b
         from pipeline.workflow import run_workflow
 
         return run_workflow(spark, cfg)
+    if command == "tune":
+        from pipeline.tune import tune
+
+        return tune(spark, cfg, trials)
     return steps.run_all(spark, cfg, resume=resume)
 
 
@@ -117,6 +127,14 @@ def _report(command: str, outcome) -> None:
         if outcome.run_id:
             print(f"mlflow run id: {outcome.run_id}")
             print("test metrics: " + json.dumps({k: round(v, 4) for k, v in outcome.test_metrics.items()}))
+        return
+    if command == "tune":
+        print(f"study {outcome.study}: {outcome.trials} trials ({outcome.pruned} pruned) in {outcome.storage}")
+        print(f"mlflow parent run id: {outcome.parent_run_id}")
+        print(f"best: {outcome.best_value:.4f} with {json.dumps(outcome.best_params)} (run {outcome.best_run_id})")
+        print(f"best config: {outcome.best_config}")
+        if outcome.model_version:
+            print(f"registered model version: {outcome.model_version}")
         return
     if command == "generate":
         print(f"synthetic data: {outcome}")
@@ -140,7 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         outcome = run_command(args.command, args.config, args.overrides, args.base,
                               resume=getattr(args, "resume", False), model=getattr(args, "model", None),
-                              input=getattr(args, "input", None), output=getattr(args, "output", None))
+                              input=getattr(args, "input", None), output=getattr(args, "output", None),
+                              trials=getattr(args, "trials", None))
     except ShardlineError as exc:
         log.error("%s", exc)
         print(f"shardline {args.command} failed: {exc}", file=sys.stderr)

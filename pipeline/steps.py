@@ -130,7 +130,7 @@ def _resume_run_id(cfg: PipelineConfig, resume: bool) -> Optional[str]:
 
 
 def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False,
-                initial_parameters=None):
+                initial_parameters=None, on_epoch=None, stoppable: bool = False):
     from pipeline.launch import train as launch_train
 
     if not resume:  # a resumed run logged its params already (MLflow refuses to change them)
@@ -140,11 +140,13 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),
                     manifest.num_features, "int64" if manifest.task == "classification" else "float32")
 
-    def log_epoch(row: dict) -> None:  # called live from the PS thread as each epoch completes
+    def log_epoch(row: dict) -> Optional[str]:  # called live from the PS thread as each epoch completes
         run.log_epoch(row["epoch"], {k: v for k, v in row.items() if k not in ("epoch", "step")})
+        return on_epoch(row) if on_epoch is not None else None  # a reason to stop (launch.train stoppable)
 
     result = launch_train(spark, cfg, manifest, on_epoch=log_epoch, resume=resume,
-                          checkpoint_extra={"mlflow_run_id": run.run_id}, initial_parameters=initial_parameters)
+                          checkpoint_extra={"mlflow_run_id": run.run_id}, initial_parameters=initial_parameters,
+                          stoppable=stoppable)
     if result.resumed_from_step is not None:
         run.set_tags({"shardline.resumed_from_step": str(result.resumed_from_step)})
     if result.failed_attempts:
@@ -232,8 +234,10 @@ class TrackedTraining:
 
 
 def tracked_training(spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False,
-                     initial_parameters=None, tags: Optional[dict] = None) -> TrackedTraining:
-    """``train_and_evaluate``, also handing back the training result. Nested under an active MLflow run."""
+                     initial_parameters=None, tags: Optional[dict] = None, on_epoch=None,
+                     stoppable: bool = False) -> TrackedTraining:
+    """``train_and_evaluate``, also handing back the training result. Nested under an active MLflow run.
+    ``on_epoch(row)`` sees each epoch row live; with ``stoppable`` a str it returns stops training there."""
     from pipeline.tracking import start_run
 
     run_id = _resume_run_id(cfg, resume)
@@ -241,7 +245,7 @@ def tracked_training(spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
                    system_metrics_interval_s=cfg.tracking.system_metrics_interval_s) as run:
         if tags:
             run.set_tags(tags)
-        result = _train_into(run, spark, cfg, manifest, resume, initial_parameters)
+        result = _train_into(run, spark, cfg, manifest, resume, initial_parameters, on_epoch, stoppable)
         evaluation = _evaluate_into(run, spark, cfg, manifest, result.spec, result.parameters)
         model_uri = _log_model(run, spark, cfg, manifest, result.spec, result.parameters)
         _record_model_uri(cfg, run.run_id, model_uri)

@@ -17,6 +17,7 @@ from pipeline.config.section import SEED as _SEED
 from pipeline.config.section import Section as _Section
 from pipeline.config.sources import ClicksConfig, SyntheticConfig
 from pipeline.config.train_options import DivergenceConfig, EarlyStoppingConfig, ScheduleConfig, check_combinations
+from pipeline.config.tune import TuneConfig
 
 class SparkConfig(_Section):
     """How the embedded session is built. Ignored when a SparkSession already exists (spark-submit)."""
@@ -375,6 +376,7 @@ class PipelineConfig(_Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)  # shardline tune (pipeline/tune.py)
 
     @model_validator(mode="after")
     def _pipeline_parallel_limits(self) -> "PipelineConfig":

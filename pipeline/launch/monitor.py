@@ -113,6 +113,13 @@ class TrainingMonitor:
                                        f"{self.stale_epochs} epoch(s) (train.early_stopping.patience="
                                        f"{self.early.patience})", epoch)
 
+    def request_stop(self, kind: str, reason: str, epoch: int) -> None:
+        """Stop at the end of ``epoch`` for a reason of the caller's (shardline tune's pruner), keeping the
+        best epoch so far as any stop does."""
+        with self._lock:
+            if self.stop is None:
+                self._stop(kind, reason, epoch)
+
     def _diverged(self, loss: float) -> bool:
         # Also over the first epoch's loss: worse than where training started, not a wobble of a loss that
         # has fallen to 1e-4 (1e-3 is 10x that, and harmless).
@@ -170,12 +177,14 @@ class TrainingMonitor:
         return None
 
 
-def training_monitor(cfg, *, snapshot: Callable[[], dict], abort: Callable[[str], None]) -> Optional[TrainingMonitor]:
+def training_monitor(cfg, *, snapshot: Callable[[], dict], abort: Callable[[str], None],
+                     stoppable: bool = False) -> Optional[TrainingMonitor]:
+    """The run's monitor, or None when nothing may stop it early (``stoppable``: the caller may ask)."""
     from pipeline.config.train_options import divergence_on
 
     t = cfg.train
     guard = divergence_on(cfg)
-    if not (t.early_stopping.enabled or guard):
+    if not (t.early_stopping.enabled or guard or stoppable):
         return None
     return TrainingMonitor(t.early_stopping, t.divergence, t.epochs, snapshot=snapshot, abort=abort, guard=guard)
 
@@ -212,5 +221,5 @@ def report_stop(run, cfg, stopped: Optional[dict]) -> None:
         if cfg.train.divergence.on_divergence == "fail":
             raise DivergedError(f"training diverged: {info.reason}; {kept}; the run is tagged shardline.diverged "
                                 "(train.divergence.on_divergence=fail; set it to warn to keep the best epoch's model)")
-    else:
+    elif info.best_epoch is not None:
         log.info("the run's model is epoch %d's: %s", info.best_epoch + 1, info.reason)

@@ -49,14 +49,16 @@ class TrainResult:
 
 
 def train(spark, cfg: PipelineConfig, manifest: Manifest,
-          on_epoch: Optional[Callable[[dict], None]] = None, *, resume: bool = False,
-          checkpoint_extra: Optional[dict] = None, initial_parameters=None) -> TrainResult:
+          on_epoch: Optional[Callable[[dict], Optional[str]]] = None, *, resume: bool = False,
+          checkpoint_extra: Optional[dict] = None, initial_parameters=None, stoppable: bool = False) -> TrainResult:
     """Train on the shard set with ``cfg.parallelism.tasks`` barrier workers synchronized by a PS (on the
     driver or in rank 0's task, ``ps.placement``) or by allreduce.
 
     A failed barrier attempt is retried (up to train.max_attempts) when a retry can cure it; checkpoints
     go to train.checkpoint_dir. resume=True starts from the newest checkpoint there instead of from
-    scratch. checkpoint_extra (plain values) is stored in every checkpoint.
+    scratch. checkpoint_extra (plain values) is stored in every checkpoint. With ``stoppable``, an
+    ``on_epoch`` that returns a reason (a str) stops training after that epoch, keeping the best epoch
+    (``shardline tune``'s pruner): on the ps backend with the driver-hosted PS; elsewhere it is logged.
     """
     import torch
 
@@ -100,13 +102,15 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
 
     def epoch_done(row: dict) -> None:
         placement.on_epoch(row)
-        if on_epoch is not None:
-            on_epoch(row)
+        reason = on_epoch(row) if on_epoch is not None else None
+        if stoppable and isinstance(reason, str):
+            placement.request_stop("pruned", reason, int(row["epoch"]))
 
     run = TrainingRun(spark=spark, cfg=cfg, manifest=manifest, spec=spec, steps_per_epoch=steps, initial=initial,
                       initial_buffers=initial_buffers,
                       expected_version=expected, store=store, progress=EpochProgress(workers, cfg.train.epochs, epoch_done),
                       resumed=resumed, resumed_from=latest, warm_started=initial_parameters is not None,
+                      stoppable=stoppable and not allreduce,
                       checkpoint_meta=CheckpointMeta(fingerprint=manifest.fingerprint, model=spec.to_dict(),
                                                      world_size=replicas, mode=cfg.ps.mode, steps_per_epoch=steps,
                                                      epochs=cfg.train.epochs, seed=cfg.train.seed,

@@ -29,7 +29,8 @@ ALLOWED = {
     "notebook": set(),
     "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints"},
     "workflow": {"config", "etl", "shards", "steps", "tracking"},
-    "cli": {"config", "session", "steps", "workflow", "score"},
+    "tune": {"config", "steps", "tracking"},
+    "cli": {"config", "session", "steps", "workflow", "score", "tune"},
     "spark_ml": {"config", "etl", "launch", "evaluate", "models", "steps", "tracking"},
     "score": {"config", "shards", "models", "tracking"},
 }

@@ -96,7 +96,8 @@ class DriverPS:
             self._bar = StepProgress(lambda: self.server.version, run.expected_version)
             from pipeline.launch.monitor import training_monitor
 
-            self.monitor = training_monitor(cfg, snapshot=self._best_snapshot, abort=self.server.fail)
+            self.monitor = training_monitor(cfg, snapshot=self._best_snapshot, abort=self.server.fail,
+                                            stoppable=run.stoppable)
         except BaseException:
             self._stack.close()
             raise
@@ -120,6 +121,13 @@ class DriverPS:
             self._bar.update_loss(row)
         if self.monitor is not None:
             self.monitor.on_epoch(row)
+
+    def request_stop(self, kind: str, reason: str, epoch: int) -> None:
+        """The caller's stop (TrainingRun.stoppable), through the monitor: the best epoch so far is kept."""
+        if self.monitor is None:
+            log.warning("cannot stop training early (%s): the run was not started stoppable", reason)
+            return
+        self.monitor.request_stop(kind, reason, epoch)
 
     def _best_snapshot(self) -> dict:
         """The PS state now (an epoch just completed), with the epoch reports and the run's record."""

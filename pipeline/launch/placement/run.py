@@ -34,6 +34,9 @@ class TrainingRun:
     resumed: Optional[dict] = None  # the --resume checkpoint's state
     resumed_from: Optional[CheckpointInfo] = None  # its file
     warm_started: bool = False
+    # The caller's on_epoch may ask training to stop (shardline tune's pruner): the driver-hosted PS keeps
+    # a monitor for it even with early stopping and the divergence guard off.
+    stoppable: bool = False
 
     @property
     def allreduce(self) -> bool:

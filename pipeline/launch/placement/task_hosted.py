@@ -41,6 +41,10 @@ class TaskPS:
     def on_epoch(self, row: dict) -> None:
         pass  # no live bar: epochs arrive when the attempt ends
 
+    def request_stop(self, kind: str, reason: str, epoch: int) -> None:
+        log.warning("ps.placement=task: epochs reach the driver when the attempt ends, too late to stop (%s)",
+                    reason)
+
     def _hosted_spec(self, attempt: int):
         from pipeline.launch.task.hosted_ps import HostedPSSpec
 
