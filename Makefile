@@ -1,23 +1,28 @@
 # make run   - create .venv, install everything, run the digits pipeline on embedded local Spark
 # make test  - both stacks: the full suite on the modern stack (.venv), then the `lts`-marked subset
 #              (ETL, loaders incl. petastorm, one end-to-end training) on the LTS stack (.venv-lts)
-# make test-modern / make test-lts - one lane only
+#              then the Airflow lane: the nightly DAG imported by Apache Airflow's DagBag (.venv-airflow)
+# make test-modern / make test-lts / make test-airflow - one lane only
 PYTHON ?= python3
 VENV ?= .venv
 LTS_VENV ?= .venv-lts
+AIRFLOW_VENV ?= .venv-airflow
 PY := $(VENV)/bin/python
 LTS_PY := $(LTS_VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LTS_STAMP := $(LTS_VENV)/.installed-stamp
+AIRFLOW_STAMP := $(AIRFLOW_VENV)/.installed-stamp
 CONSTRAINTS ?= constraints/modern.txt
 LTS_CONSTRAINTS ?= constraints/lts.txt
+AIRFLOW_CONSTRAINTS ?= constraints/airflow.txt
 PIP := -m pip install --disable-pip-version-check -q
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install install-lts run test test-modern test-lts clean
+.PHONY: install install-lts install-airflow run test test-modern test-lts test-airflow clean
 
 install: $(STAMP)
 install-lts: $(LTS_STAMP)
+install-airflow: $(AIRFLOW_STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,11 +37,17 @@ $(LTS_STAMP): pyproject.toml $(LTS_CONSTRAINTS)
 	$(LTS_PY) $(PIP) -c $(LTS_CONSTRAINTS) -e '.[test,petastorm]'
 	touch $(LTS_STAMP)
 
+# Not shardline itself: the DAG runs spark-submit, so Airflow needs only the DAG file and the provider.
+$(AIRFLOW_STAMP): $(AIRFLOW_CONSTRAINTS)
+	test -x $(AIRFLOW_VENV)/bin/python || $(PYTHON) -m venv $(AIRFLOW_VENV)
+	$(AIRFLOW_VENV)/bin/python $(PIP) -c $(AIRFLOW_CONSTRAINTS) apache-airflow apache-airflow-providers-apache-spark pytest
+	touch $(AIRFLOW_STAMP)
+
 run: install
 	PYSPARK_PYTHON=$(abspath $(PY)) PYSPARK_DRIVER_PYTHON=$(abspath $(PY)) \
 		$(VENV)/bin/shardline run --config conf/digits.yaml $(ARGS)
 
-test: test-modern test-lts
+test: test-modern test-lts test-airflow
 
 test-modern: install
 	PYSPARK_PYTHON=$(abspath $(PY)) PYSPARK_DRIVER_PYTHON=$(abspath $(PY)) \
@@ -45,6 +56,11 @@ test-modern: install
 test-lts: install-lts
 	PYSPARK_PYTHON=$(abspath $(LTS_PY)) PYSPARK_DRIVER_PYTHON=$(abspath $(LTS_PY)) \
 		$(LTS_VENV)/bin/pytest -m lts $(PYTEST_ARGS)
+
+# --noconftest: tests/conftest.py starts Spark, which this venv does not have.
+test-airflow: install-airflow
+	AIRFLOW_HOME=$(abspath .shardline/airflow) $(AIRFLOW_VENV)/bin/pytest --noconftest -p no:cacheprovider \
+		$(PYTEST_ARGS) tests/airflow
 
 clean:
 	rm -rf .shardline spark-warehouse metastore_db derby.log .pytest_cache

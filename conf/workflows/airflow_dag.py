@@ -9,8 +9,10 @@ All in one task instead: application jobs/workflow.py (`shardline workflow`: ETL
 date partitions, train, evaluate, promote; a no-op when no input changed), with the same ARGS plus
 data.source=parquet and data.path=<a folder of date=<value> partitions>.
 
-Keep the paths as os.path.join(...) of constants and string literals: tests/conf/test_workflows.py reads
-this file with `ast` (Airflow is not installed there) and checks the scripts, configs and task chain.
+Checked by Airflow itself: tests/airflow/test_airflow_dag.py (`make test-airflow`, its own venv) imports it
+with a DagBag, renders a task and builds its spark-submit command with the provider's hook. Keep the paths
+as os.path.join(...) of constants and string literals too: tests/conf/test_workflows.py reads this file
+with `ast` in the main lane (no Airflow there) and checks the scripts, configs and task chain.
 """
 import os
 from datetime import timedelta

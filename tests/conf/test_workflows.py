@@ -1,7 +1,8 @@
 """The example schedules in conf/workflows/ must point at job scripts and configs that exist and load.
 
-Neither Databricks nor Airflow is installed here: the Databricks job is plain YAML (yaml.safe_load), and
-the Airflow DAG is read with `ast`, never imported. The checkers return a list of problems (empty when
+The Databricks job payload and the Asset Bundle's job are parsed by databricks-sdk into its typed
+JobSettings (nothing may be dropped) and checked here; the Airflow DAG is read with `ast` (Airflow itself
+imports it in its own lane: tests/airflow/). The checkers return a list of problems (empty when
 all is well) so a failure names every broken reference at once, and the negative tests prove that a
 renamed job script, a moved config or a reordered chain is caught.
 """
@@ -22,6 +23,7 @@ from pipeline.errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO / "conf" / "workflows"
 DATABRICKS_JOB = WORKFLOWS / "databricks_job.yml"
+DATABRICKS_BUNDLE = REPO / "databricks.yml"
 AIRFLOW_DAG = WORKFLOWS / "airflow_dag.py"
 
 STEPS = ["etl", "train", "evaluate", "promote"]
@@ -135,8 +137,9 @@ def check_job_script(path: Path, what: str) -> list[str]:
 
 # ------------------------------------------------------------------------------- Databricks job
 
-def databricks_problems(job: dict) -> list[str]:
-    """Everything wrong with a Jobs API 2.1 job-settings payload (as loaded from the YAML)."""
+def databricks_problems(job: dict, bundle: bool = False) -> list[str]:
+    """Everything wrong with a Jobs API 2.1 job-settings payload (as loaded from the YAML); ``bundle``: the
+    job of a Databricks Asset Bundle, whose python_files are workspace files relative to the bundle root."""
     problems = []
     tasks = job.get("tasks") or []
     by_key = {t.get("task_key"): t for t in tasks}
@@ -155,7 +158,9 @@ def databricks_problems(job: dict) -> list[str]:
             continue
         python_file = spt.get("python_file", "")
         step_of[key] = Path(python_file).stem
-        if spt.get("source") != "GIT" or not job.get("git_source"):
+        if bundle and (spt.get("source") or job.get("git_source")):
+            problems.append(f"task {key!r}: a bundle deploys the scripts itself; drop source/git_source")
+        elif not bundle and (spt.get("source") != "GIT" or not job.get("git_source")):
             problems.append(f"task {key!r}: expected source: GIT and a git_source (paths relative to the repo)")
         if os.path.isabs(python_file):
             problems.append(f"task {key!r}: a Git-sourced python_file must be relative, got {python_file!r}")
@@ -496,3 +501,94 @@ def test_chain_reader_follows_operator_precedence():
     _, edges = chain_edges(ast.parse("c << b << a").body[0].value)
     order, problems = linear_order(["a", "b", "c"], edges)
     assert problems == [] and order == ["a", "b", "c"]
+
+
+# ----------------------------------------------------------------- databricks-sdk and the Asset Bundle
+
+def sdk_round_trip_losses(payload: dict) -> list[str]:
+    """Keys databricks-sdk's typed JobSettings drops or changes: a misspelt or misplaced key is one."""
+    from databricks.sdk.service.jobs import JobSettings
+
+    back = JobSettings.from_dict(payload).as_dict()
+    losses: list[str] = []
+
+    def walk(a, b, path):
+        if isinstance(a, dict):
+            for key in a:
+                if not isinstance(b, dict) or key not in b:
+                    losses.append(f"{path}.{key}")
+                else:
+                    walk(a[key], b[key], f"{path}.{key}")
+        elif isinstance(a, list):
+            if not isinstance(b, list) or len(a) != len(b):
+                losses.append(path)
+            else:
+                for i, (x, y) in enumerate(zip(a, b)):
+                    walk(x, y, f"{path}[{i}]")
+        elif a != b:
+            losses.append(f"{path} ({a!r} -> {b!r})")
+
+    walk(payload, back, "job")
+    return losses
+
+
+def bundle_job(bundle: dict, name: str = "nightly") -> dict:
+    """resources.jobs.<name> with ${var.X} replaced by the variables' defaults, as `bundle deploy` does."""
+    variables = {key: spec["default"] for key, spec in (bundle.get("variables") or {}).items()}
+
+    def substitute(value):
+        if isinstance(value, str):
+            return re.sub(r"\$\{var\.([A-Za-z_]\w*)\}", lambda m: str(variables[m.group(1)]), value)
+        if isinstance(value, list):
+            return [substitute(v) for v in value]
+        if isinstance(value, dict):
+            return {k: substitute(v) for k, v in value.items()}
+        return value
+
+    return substitute(copy.deepcopy(bundle["resources"]["jobs"][name]))
+
+
+@pytest.fixture(scope="module")
+def bundle() -> dict:
+    return yaml.safe_load(DATABRICKS_BUNDLE.read_text())
+
+
+def test_databricks_job_parses_into_the_sdks_typed_settings_with_nothing_dropped(databricks_job):
+    from databricks.sdk.service.jobs import JobSettings, Source
+
+    assert sdk_round_trip_losses(databricks_job) == []
+    settings = JobSettings.from_dict(databricks_job)
+    assert [t.task_key for t in settings.tasks] == STEPS
+    assert {t.spark_python_task.source for t in settings.tasks} == {Source.GIT}
+    assert settings.max_concurrent_runs == 1
+
+
+def test_sdk_parse_catches_a_misplaced_key(databricks_job):
+    job = copy.deepcopy(databricks_job)
+    job["tasks"][0]["spark_python_task"]["python_flie"] = job["tasks"][0]["spark_python_task"].pop("python_file")
+    assert "job.tasks[0].spark_python_task.python_flie" in sdk_round_trip_losses(job)
+
+
+def test_asset_bundle_job_is_the_same_job_and_valid(bundle, databricks_job):
+    from databricks.sdk.service.jobs import JobSettings
+
+    assert bundle["bundle"]["name"] and {"dev", "prod"} <= set(bundle["targets"])
+    assert sum(bool(t.get("default")) for t in bundle["targets"].values()) == 1
+    job = bundle_job(bundle)
+    assert "${" not in str(job), "a ${var.*} reference names no variable"
+    assert sdk_round_trip_losses(job) == []
+    assert databricks_problems(job, bundle=True) == []
+    settings = JobSettings.from_dict(job)
+    assert [t.task_key for t in settings.tasks] == STEPS
+    # The same steps, parameters and cluster as the plain payload (only where the code comes from differs).
+    plain = {t["task_key"]: t for t in databricks_job["tasks"]}
+    for task in job["tasks"]:
+        other = plain[task["task_key"]]
+        assert task["spark_python_task"]["python_file"] == other["spark_python_task"]["python_file"]
+        assert task["spark_python_task"]["parameters"] == other["spark_python_task"]["parameters"]
+        assert task.get("max_retries") == other.get("max_retries")
+    assert job["job_clusters"][0]["new_cluster"]["spark_conf"] == \
+        databricks_job["job_clusters"][0]["new_cluster"]["spark_conf"]
+    wheel = bundle["artifacts"]["shardline_wheel"]
+    assert wheel["type"] == "whl" and (REPO / wheel["path"] / "pyproject.toml").is_file()
+    assert all(lib == {"whl": "./dist/*.whl"} for t in job["tasks"] for lib in t["libraries"])
