@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("0*.py"))
 
 # Per notebook: widget values on top of the common ones, and lines its output must contain.
-WIDGETS = {"04_parallelism_modes": {"epochs": "1"}}
+WIDGETS = {"04_parallelism_modes": {"epochs": "1"}, "05_tune": {"trials": "2"}}
 EXPECTED = {
     "01_quickstart": ["mlflow run id:", "test metrics:"],
     "02_custom_model": ["ResidualBlock", "model: models:/", "test metrics:"],
@@ -19,10 +19,11 @@ EXPECTED = {
     "04_parallelism_modes": ["samples_per_s", "val_accuracy", *(f"\n{mode} " for mode in
                                                                ("sync", "async", "ssp", "average", "allreduce",
                                                                 "pipeline"))],
+    "05_tune": ["study digits-tune: 2 trials", "mlflow run id:", "best value:", "best.yaml"],
 }
 
 
-def test_there_are_four_notebooks():
+def test_there_are_five_notebooks():
     assert [path.stem for path in NOTEBOOKS] == list(EXPECTED)
 
 
