@@ -123,3 +123,29 @@ def test_train_validation_split_searches_evaluates_and_logs_a_child_run_per_fit(
                                            filter_string=f"source_run_id = '{run.info.run_id}'",
                                            output_format="list")
     assert max(run.data.metrics["test_accuracy"] for run in children) > 0.85  # 1 epoch of ~10 steps may not
+
+
+@pytest.mark.slow
+def test_a_regression_model_answers_the_regression_evaluator(spark, tmp_path, no_tracking):
+    import pandas as pd
+    from pyspark.ml.evaluation import RegressionEvaluator
+    from pyspark.ml.feature import VectorAssembler
+
+    from pipeline.spark_ml import ShardlineEstimator
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(1200, 4))
+    frame = pd.DataFrame(x, columns=["a", "b", "c", "d"])
+    frame["y"] = 30.0 + 4.0 * x[:, 0] - 3.0 * x[:, 1] + 2.0 * x[:, 2] * x[:, 3] + rng.normal(scale=0.5, size=1200)
+    frame.insert(0, "row", np.arange(1200, dtype=np.int64))
+    df = VectorAssembler(inputCols=["a", "b", "c", "d"], outputCol="features").transform(
+        spark.createDataFrame(frame).repartition(2, "row"))
+    estimator = ShardlineEstimator(labelCol="y", workdir=str(tmp_path / "work"), name="linear", parallelism=2,
+                                   hidden=[32], epochs=8, batchSize=32,
+                                   overrides=["data.task=regression", "train.lr=0.01", "ps.timeout_s=60"])
+    model = estimator.fit(df.where("row % 5 != 0"))
+    scored = model.transform(df.where("row % 5 == 0"))
+    assert "rawPrediction" not in scored.columns and "probability" not in scored.columns
+    r2 = RegressionEvaluator(labelCol="y", metricName="r2").evaluate(scored)
+    rmse = RegressionEvaluator(labelCol="y", metricName="rmse").evaluate(scored)
+    assert r2 > 0.6 and rmse < 3.5, (r2, rmse)  # y spreads over ~5.5 std: a constant scores r2 0, rmse ~5.5
