@@ -29,10 +29,10 @@ import torch
 from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError, is_retryable
 from pipeline.ps.buffer_requests import BufferRequests
 from pipeline.ps.compression import Compressor
-from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo, parse_welcome
+from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo, check_welcome, parse_welcome
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
 from pipeline.wire.frames import U32_MAX, PeerClosedError
-from pipeline.wire.handshake import client_handshake, refusal_text
+from pipeline.wire.handshake import PeerRefused, client_handshake, refusal_text
 from pipeline.wire.sockets import connect
 
 __all__ = ["PSClient", "ServerInfo", "ShardInfo"]  # the WELCOME types live in protocol.py
@@ -78,7 +78,8 @@ class PSClient(BufferRequests):
     def __init__(self, host: str, port: int, *, rank: int, secret: bytes, generation: int = 1,
                  timeout_s: Union[float, Timeout] = 60.0,
                  connect_timeout: Union[float, Timeout, None] = None,
-                 log_tail: Callable[[], str] | None = None) -> None:
+                 log_tail: Callable[[], str] | None = None, expected_params: Optional[int] = None,
+                 expected_buffer_words: Optional[int] = None) -> None:
         if not 0 <= rank <= U32_MAX or not 0 <= generation <= U32_MAX:
             raise PSError(f"rank {rank} and generation {generation} must fit an unsigned 32-bit field")
         self.step_timeout = Timeout.of(timeout_s, STEP_KEY)
@@ -96,6 +97,10 @@ class PSClient(BufferRequests):
         # train.profile: called with "push" once a PUSH_PULL's gradient is sent (pipeline.worker.timing).
         self.phase_hook: Optional[Callable[[str], None]] = None
         self._secret = bytes(secret)
+        # The sizes of the model this worker built: every WELCOME is held against them before the
+        # client allocates anything it announces (a forged or confused server is refused).
+        self.expected_params = expected_params
+        self.expected_buffer_words = expected_buffer_words
         self._links: list[_Link] = []
         self._info: ServerInfo | None = None
         self._params_buf: bytearray | None = None
@@ -186,14 +191,20 @@ class PSClient(BufferRequests):
         return info
 
     def _handshake(self, host: str, port: int, timeout: Timeout) -> tuple[Channel, ServerInfo]:
-        """Connect, answer the CHALLENGE (``pipeline.wire.handshake``), read the WELCOME."""
+        """Connect, answer the CHALLENGE and challenge the server back (``pipeline.wire.handshake``,
+        mutual: a listener that does not hold the job's secret is refused before it can say anything),
+        read the WELCOME and hold it against this worker's model."""
         deadline = deadline_after(timeout)
         sock = connect(host, port, timeout, who=f"rank {self.rank}", peer="the parameter server",
                        advice="check that executors can reach the driver")
         channel = Channel(sock, max_elements=0)
         try:
-            client_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
-                             deadline=deadline)
+            try:
+                client_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
+                                 deadline=deadline, mutual=True,
+                                 peer=f"the parameter server at {host}:{port}")
+            except PeerRefused as refused:
+                raise AuthenticationError(f"parameter server refused rank {self.rank}: {refused.reason}") from None
             header = channel.recv_header(deadline)
             if header.type is MsgType.ERROR:
                 raise AuthenticationError(
@@ -201,7 +212,9 @@ class PSClient(BufferRequests):
                 )
             if header.type is not MsgType.WELCOME:
                 raise ProtocolError(f"expected WELCOME, got {header.type.name}")
-            info = parse_welcome(channel.recv_json(header, deadline))
+            info = check_welcome(parse_welcome(channel.recv_json(header, deadline)),
+                                 expected_params=self.expected_params,
+                                 expected_buffer_words=self.expected_buffer_words)
         except AuthenticationError:
             channel.close()
             raise

@@ -23,8 +23,8 @@ from pipeline.ps.connection import RankConnection
 from pipeline.ps.messages import AUTH
 from pipeline.ps.protocol import Channel, MsgType
 from pipeline.ps.stats import ShardStats
-from pipeline.wire.deadline import Timeout
-from pipeline.wire.handshake import HANDSHAKE_S, Claim, Refusal, send_refusal, server_handshake
+from pipeline.wire.deadline import Timeout, deadline_after
+from pipeline.wire.handshake import HANDSHAKE_S, Claim, Refusal, answer, send_refusal, server_handshake
 from pipeline.wire.sockets import listen, set_socket_options
 
 logger = logging.getLogger(__name__)
@@ -46,11 +46,12 @@ class HandshakeRejected(Exception):
 
 def authenticate(channel: Channel, *, secret: bytes, generation: int, timeout: Timeout) -> Claim:
     """CHALLENGE with a fresh nonce, then the peer's AUTH must carry the MAC of the secret over it,
-    bound to the rank and generation it claims. Returns that claim (one-way: no nonce of the peer's;
-    admission is next); raises HandshakeRejected."""
+    bound to the rank and generation it claims, followed by the peer's own CHALLENGE (mutual: the
+    server answers it once the rank is admitted, before WELCOME). Returns that claim; raises
+    HandshakeRejected."""
     try:
         return server_handshake(channel, secret, rank=0, generation=generation,
-                                timeout=timeout.shorter(HANDSHAKE_S))
+                                timeout=timeout.shorter(HANDSHAKE_S), mutual=True)
     except Refusal as refused:
         raise HandshakeRejected(refused.reason) from None
 
@@ -204,6 +205,10 @@ class ShardListener:
             self._reject(channel, peer, rejected)
             return None
         try:
+            assert claim.nonce is not None
+            # The server's proof, bound to the worker's nonce: only then does the worker trust WELCOME.
+            answer(channel, self._secret, claim.nonce, generation=conn.generation, rank=self._index,
+                   deadline=deadline_after(self._timeout.shorter(HANDSHAKE_S)))
             channel.send_json(MsgType.WELCOME, welcome, generation=conn.generation, rank=conn.rank,
                               timeout=self._timeout.seconds)
         except (OSError, PSError) as exc:

@@ -73,10 +73,13 @@ def make_train_loader(plan: WorkerPlan, *, rank: Optional[int] = None,
 def _client(plan: WorkerPlan, host: str, port: int, secret: bytes, rank: int,
             log_tail: Optional[Callable[[], str]]) -> PSClient:
     from pipeline.ps import PSClient
+    from pipeline.worker.sizes import expected_sizes
 
+    params, buffer_words = expected_sizes(plan)  # every WELCOME is checked against this task's own model
     # Each wait's error names its own key: timeouts.step_s for a step, timeouts.connect_s for connecting.
     return PSClient(host, port, rank=rank, secret=secret, generation=plan.generation,
-                    timeout_s=plan.deadlines.step, connect_timeout=plan.deadlines.connect, log_tail=log_tail)
+                    timeout_s=plan.deadlines.step, connect_timeout=plan.deadlines.connect, log_tail=log_tail,
+                    expected_params=params, expected_buffer_words=buffer_words)
 
 
 @contextmanager
