@@ -26,14 +26,13 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError, is_retryable
+from pipeline.errors import NonFiniteError, PSError, PSTimeoutError, ProtocolError, is_retryable
 from pipeline.ps.buffer_requests import BufferRequests
 from pipeline.ps.compression import Compressor
-from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo, check_welcome, parse_welcome
+from pipeline.ps.opening import Opening, open_shard
+from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
 from pipeline.wire.frames import U32_MAX, PeerClosedError
-from pipeline.wire.handshake import PeerRefused, client_handshake, refusal_text
-from pipeline.wire.sockets import connect
 
 __all__ = ["PSClient", "ServerInfo", "ShardInfo"]  # the WELCOME types live in protocol.py
 
@@ -79,7 +78,7 @@ class PSClient(BufferRequests):
                  timeout_s: Union[float, Timeout] = 60.0,
                  connect_timeout: Union[float, Timeout, None] = None,
                  log_tail: Callable[[], str] | None = None, expected_params: Optional[int] = None,
-                 expected_buffer_words: Optional[int] = None) -> None:
+                 expected_buffer_words: Optional[int] = None, tls: Optional[object] = None) -> None:
         if not 0 <= rank <= U32_MAX or not 0 <= generation <= U32_MAX:
             raise PSError(f"rank {rank} and generation {generation} must fit an unsigned 32-bit field")
         self.step_timeout = Timeout.of(timeout_s, STEP_KEY)
@@ -101,6 +100,7 @@ class PSClient(BufferRequests):
         # client allocates anything it announces (a forged or confused server is refused).
         self.expected_params = expected_params
         self.expected_buffer_words = expected_buffer_words
+        self._opening = Opening(rank, generation, self._secret, expected_params, expected_buffer_words, tls)
         self._links: list[_Link] = []
         self._info: ServerInfo | None = None
         self._params_buf: bytearray | None = None
@@ -191,47 +191,8 @@ class PSClient(BufferRequests):
         return info
 
     def _handshake(self, host: str, port: int, timeout: Timeout) -> tuple[Channel, ServerInfo]:
-        """Connect, answer the CHALLENGE and challenge the server back (``pipeline.wire.handshake``,
-        mutual: a listener that does not hold the job's secret is refused before it can say anything),
-        read the WELCOME and hold it against this worker's model."""
-        deadline = deadline_after(timeout)
-        sock = connect(host, port, timeout, who=f"rank {self.rank}", peer="the parameter server",
-                       advice="check that executors can reach the driver")
-        channel = Channel(sock, max_elements=0)
-        try:
-            try:
-                client_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
-                                 deadline=deadline, mutual=True,
-                                 peer=f"the parameter server at {host}:{port}")
-            except PeerRefused as refused:
-                raise AuthenticationError(f"parameter server refused rank {self.rank}: {refused.reason}") from None
-            header = channel.recv_header(deadline)
-            if header.type is MsgType.ERROR:
-                raise AuthenticationError(
-                    f"parameter server refused rank {self.rank}: {refusal_text(channel, header, deadline)}"
-                )
-            if header.type is not MsgType.WELCOME:
-                raise ProtocolError(f"expected WELCOME, got {header.type.name}")
-            info = check_welcome(parse_welcome(channel.recv_json(header, deadline)),
-                                 expected_params=self.expected_params,
-                                 expected_buffer_words=self.expected_buffer_words)
-        except AuthenticationError:
-            channel.close()
-            raise
-        except TimeoutError:
-            channel.close()
-            raise self._timeout_error(f"the handshake with the parameter server at {host}:{port}",
-                                      timeout, at=False) from None
-        except PeerClosedError:
-            channel.close()
-            raise AuthenticationError(
-                f"the parameter server at {host}:{port} closed the connection during the "
-                f"handshake of rank {self.rank} (wrong secret, generation or rank?)"
-            ) from None
-        except (PSError, OSError) as exc:
-            channel.close()
-            raise AuthenticationError(f"handshake of rank {self.rank} failed: {exc}") from exc
-        return channel, info
+        """One shard's connection, mutually authenticated, its WELCOME checked (``pipeline.ps.opening``)."""
+        return open_shard(self._opening, host, port, timeout)
 
     def close(self) -> None:
         """Close every shard connection. Idempotent; never raises."""

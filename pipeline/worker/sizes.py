@@ -22,7 +22,7 @@ def _module(plan: WorkerPlan):
 
     model = build_model(plan.model)
     if plan.stage is not None:
-        from pipeline.worker.stage_loop import model_stages
+        from pipeline.parallel.stages import model_stages
 
         model = model_stages(model, plan.stage.stages, plan.stage.cuts)[plan.stage.stage]
     return model

@@ -47,12 +47,10 @@ class StageWiring:
 
 
 def model_stages(model, stages: int, cuts=None) -> list:
-    """The stage modules of the whole model (a factory's own stages when it returned a list of them)."""
-    from pipeline.parallel.stages import split_stages
+    """The stage modules of the whole model (``pipeline.parallel.stages.model_stages``)."""
+    from pipeline.parallel.stages import model_stages as split
 
-    if getattr(model, "shardline_stages", False):
-        return split_stages(list(model.children()), stages, cuts)
-    return split_stages(model, stages, cuts)
+    return split(model, stages, cuts)
 
 
 def run_stage(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, wiring: StageWiring, *,
