@@ -28,8 +28,10 @@ Frame header (little-endian, 48 bytes)::
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from enum import IntEnum
@@ -50,6 +52,7 @@ from pipeline.wire.handshake import (
     send_refusal,
     server_handshake,
 )
+from pipeline.wire.pending import PENDING_CAP, PendingSlots
 from pipeline.wire.sockets import connect, listen, set_socket_options
 
 logger = logging.getLogger(__name__)
@@ -296,6 +299,50 @@ class StageLink:
         self.close()
 
 
+class _Race:
+    """The handshakes of one ``accept``: the first to succeed wins; the rest are shut down or closed."""
+
+    def __init__(self) -> None:
+        self.slots = PendingSlots(PENDING_CAP)
+        self.wake, self._waker = socket.socketpair()
+        self._lock = threading.Lock()
+        self._won: Optional[StageLink] = None
+        self._closed = False
+
+    def run(self, handshake, channel: "_LinkChannel", peer: tuple, handshake_s: float) -> None:
+        try:
+            link = handshake(channel, peer, handshake_s, self.slots)
+        except Exception:  # a bug must not hang accept: log it with the peer; the wait goes on
+            logger.exception("stage link handshake with %s crashed", peer)
+            channel.close()
+            return
+        if link is None:
+            channel.close()
+            return
+        with self._lock:
+            keep = self._won is None and not self._closed
+            if keep:
+                self._won = link
+        if not keep:
+            link.close()
+            return
+        try:
+            self._waker.send(b"x")
+        except OSError:
+            pass
+
+    def winner(self) -> Optional[StageLink]:
+        with self._lock:
+            return self._won
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.slots.shut_all()
+        self.wake.close()
+        self._waker.close()
+
+
 class StageListener:
     """Stage ``stage``'s listening socket for the link from stage ``stage - 1``.
 
@@ -327,35 +374,57 @@ class StageListener:
     def accept(self, timeout_s: Union[float, Timeout, None] = None) -> StageLink:
         """Wait for stage ``stage - 1`` to connect and authenticate; connections that fail the
         handshake are refused (ERROR frame, logged) and the wait goes on until the deadline.
-        ``timeout_s``: the listener's ``connect_timeout`` unless given (a float is ``timeouts.connect_s``)."""
+        ``timeout_s``: the listener's ``connect_timeout`` unless given (a float is ``timeouts.connect_s``).
+
+        Each connection's handshake runs in its own thread, in a pending slot (``pipeline.wire.pending``:
+        the oldest evicted at the cap), so idle or garbage sockets cannot hold the real peer out."""
         wait = self.connect_timeout if timeout_s is None else Timeout.of(timeout_s, CONNECT_KEY)
         deadline = deadline_after(wait)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                host, port = self.address
-                raise wait.error(f"stage {self.stage - 1} to connect to stage {self.stage}'s link at "
-                                 f"{host}:{port}", why="check that executors can reach each other")
-            self._sock.settimeout(left)
-            try:
-                sock, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            link = self._handshake(sock, peer, min(left, HANDSHAKE_S))
-            if link is not None:
-                return link
-
-    def _handshake(self, sock: socket.socket, peer: tuple, handshake_s: float) -> Optional[StageLink]:
-        """The wire's server handshake, mutual; then this stage's own admission (generation, rank)."""
-        channel = _LinkChannel(sock, max_elements=0)
+        race = _Race()
         try:
-            set_socket_options(sock)
-            claim = server_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
-                                     timeout=handshake_s, mutual=True)
+            while True:
+                link = race.winner()
+                if link is not None:
+                    return link
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    host, port = self.address
+                    raise wait.error(f"stage {self.stage - 1} to connect to stage {self.stage}'s link at "
+                                     f"{host}:{port}", why="check that executors can reach each other")
+                ready, _, _ = select.select([self._sock, race.wake], [], [], left)
+                if self._sock not in ready:
+                    continue
+                try:
+                    sock, peer = self._sock.accept()
+                except (BlockingIOError, TimeoutError):
+                    continue
+                channel = _LinkChannel(sock, max_elements=0)
+                if race.slots.add(channel) is not None:
+                    logger.warning("stage %s: %s unauthenticated link connections pending, the oldest evicted",
+                                   self.stage, race.slots.cap)
+                threading.Thread(target=race.run, args=(self._handshake, channel, peer, min(left, HANDSHAKE_S)),
+                                 name=f"link-handshake-{peer[0]}:{peer[1]}", daemon=True).start()
+        finally:
+            race.close()
+
+    def _handshake(self, channel: "_LinkChannel", peer: tuple, handshake_s: float,
+                   slots: PendingSlots) -> Optional[StageLink]:
+        """(TLS,) the wire's server handshake, mutual; then this stage's own admission (generation, rank)."""
+        try:
+            try:
+                set_socket_options(channel.sock)
+                if self._tls is not None:
+                    from pipeline.wire.tls import wrap_server
+
+                    channel.sock = wrap_server(channel.sock, self._tls, timeout=handshake_s)
+                claim = server_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
+                                         timeout=handshake_s, mutual=True)
+            finally:
+                evicted = slots.settle(channel)
         except Refusal as exc:
-            return self._reject(channel, peer, exc.reason)
+            return None if evicted else self._reject(channel, peer, exc.reason)
         except OSError as exc:
-            return self._reject(channel, peer, f"handshake failed: {exc}")
+            return None if evicted else self._reject(channel, peer, f"handshake failed: {exc}")
         rank, generation = claim.rank, claim.generation
         if generation != self.generation:
             return self._reject(channel, peer, f"rank {rank} belongs to generation {generation} but stage "

@@ -71,7 +71,8 @@ class ParameterServer:
     def __init__(self, initial: torch.Tensor, settings: PSSettings, *, world_size: int, secret: bytes,
                  host: str, port: int = 0, generation: int = 1,
                  on_metrics: Callable[[int, dict], None] | None = None,
-                 on_failure: FailureObserver | None = None, buffers: BufferStore | None = None) -> None:
+                 on_failure: FailureObserver | None = None, buffers: BufferStore | None = None,
+                 tls: object | None = None) -> None:
         if not isinstance(settings, PSSettings):
             raise PSError(f"ParameterServer needs PSSettings, got {type(settings).__name__}")
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
@@ -89,7 +90,7 @@ class ParameterServer:
                         # Metrics are sent once per report, to shard 0.
                         on_metrics=on_metrics if i == 0 else None, shard_index=i, start=start,
                         total_params=self._num_params, failure_sink=self._board,
-                        buffers=buffers if i == 0 else None)
+                        buffers=buffers if i == 0 else None, tls=tls)
             for i, (start, end) in enumerate(self._ranges)
         ]
         if self._board is not None:

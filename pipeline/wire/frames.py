@@ -218,7 +218,14 @@ class Channel:
         else:
             # Header and payload in one syscall (no copy of the payload); the rest, if any, by sendall.
             deadline = deadline_after(timeout)
-            sent = self.sock.sendmsg([packed, body])
+            try:
+                sent = self.sock.sendmsg([packed, body])
+            except NotImplementedError:  # a TLS socket (ps.tls): its own buffering, one sendall each
+                self.sock.sendall(packed)
+                self.sock.settimeout(remaining(deadline))
+                self.sock.sendall(body)
+                self.bytes_sent += HEADER_SIZE + header.length
+                return
             if sent < HEADER_SIZE:
                 self.sock.settimeout(remaining(deadline))
                 self.sock.sendall(packed[sent:])

@@ -32,8 +32,9 @@ from pipeline.wire.frames import NONCE_SIZE, Buffer, Channel, Control
 
 MAX_REFUSAL_CHARS = 64 * 1024
 # The longest a listener waits for a new connection's handshake: an honest peer answers at once, and a
-# silent socket must not hold the listener (or a connection slot) for a whole step or link deadline.
-HANDSHAKE_S = 10.0
+# silent socket must not hold the listener (or a pending slot, pipeline.wire.pending) for a whole step or
+# link deadline. Short, because each pending slot a flood holds is held this long.
+HANDSHAKE_S = 3.0
 
 
 def auth_mac(secret: bytes, nonce: bytes, rank: int, generation: int) -> bytes:
