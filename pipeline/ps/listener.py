@@ -241,7 +241,9 @@ class ShardListener:
                               timeout=self._timeout.seconds)
         except (OSError, PSError) as exc:
             logger.warning("rank %s from %s vanished during the handshake: %s", conn.rank, peer, exc)
-        logger.info("rank %s connected from %s (generation %s)", conn.rank, peer, conn.generation)
+        version = getattr(channel.sock, "version", None)  # an ssl.SSLSocket's: ps.tls
+        logger.info("rank %s connected from %s (generation %s, %s)", conn.rank, peer, conn.generation,
+                    version() if version is not None else "plain TCP")
         return conn
 
     def _reject(self, channel: Channel, peer: tuple, rejected: HandshakeRejected) -> None:

@@ -75,6 +75,11 @@ def new_job_cert(common_name: str = "shardline job") -> ServerCert:
                                         serialization.NoEncryption()))
 
 
+def job_cert(enabled: bool) -> Optional[ServerCert]:
+    """``ps.tls``: a new certificate for this job attempt, or None (plain TCP)."""
+    return new_job_cert() if enabled else None
+
+
 @functools.lru_cache(maxsize=8)
 def _server_context(cert: ServerCert) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
