@@ -367,7 +367,7 @@ class StageListener:
         logger.warning("stage %s refused a link connection from %s: %s", self.stage, peer, reason)
         send_refusal(channel, reason, generation=self.generation, rank=self.rank, timeout=1.0,
                      max_chars=_MAX_ERROR_CHARS)
-        channel.close()
+        channel.linger_close()
         return None
 
     def close(self) -> None:

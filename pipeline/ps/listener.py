@@ -255,4 +255,5 @@ class ShardListener:
             return
         send_refusal(channel, rejected.reason, kind=rejected.kind, generation=rejected.generation,
                      rank=rejected.rank, timeout=self._timeout.seconds)
+        channel.linger_close()
 

@@ -318,6 +318,25 @@ class Channel:
             self._recv_exact(view, deadline, frame_start=False)
             left -= len(view)
 
+    def linger_close(self, seconds: float = 0.5, max_bytes: int = 64 * 1024) -> None:
+        """Close after a refusal: stop sending, read what the peer already sent (up to ``max_bytes``, for
+        at most ``seconds``) until it hangs up, then close. A close with unread bytes makes the kernel
+        reset the connection, which can discard the ERROR frame before the peer reads it (a mutual
+        handshake's connector has sent its CHALLENGE right behind the AUTH that was refused)."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            deadline = deadline_after(seconds)
+            left = max_bytes
+            while left > 0:
+                self.sock.settimeout(remaining(deadline))
+                data = self.sock.recv(min(left, 16 * 1024))
+                if not data:
+                    break
+                left -= len(data)
+        except (OSError, ValueError):
+            pass
+        self.close()
+
     def close(self) -> None:
         """Shut down then close; shutdown wakes a thread blocked in recv on this socket."""
         try:
