@@ -151,8 +151,9 @@ class PSClient(BufferRequests):
         return len(self._links)
 
     def connect(self) -> ServerInfo:
-        """Connect and authenticate (CHALLENGE -> AUTH -> WELCOME) with shard 0, then with every other
-        shard its WELCOME lists. Idempotent while connected."""
+        """Connect and authenticate both ways (CHALLENGE -> AUTH + CHALLENGE -> AUTH -> WELCOME,
+        ``pipeline.ps.opening``) with shard 0, then with every other shard its WELCOME lists, each WELCOME
+        held against this worker's model sizes. Idempotent while connected."""
         return self._connect(self.connect_timeout)
 
     def _connect(self, timeout: Timeout) -> ServerInfo:

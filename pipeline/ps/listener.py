@@ -1,5 +1,5 @@
 """One shard's listening socket: the accept loop, a thread per connection, and the server side of the
-HMAC handshake (CHALLENGE -> AUTH -> WELCOME).
+mutual HMAC handshake (CHALLENGE -> AUTH + the worker's CHALLENGE -> admission -> AUTH -> WELCOME).
 
 Why one thread per connection: only that thread writes to its socket, so frames never interleave.
 Connections are capped so a flood of unauthenticated sockets cannot exhaust threads or memory: pending
@@ -10,7 +10,7 @@ the CHALLENGE at once, and silent sockets must not hold slots for a whole step d
 the TLS handshake runs in the connection's thread, inside the same pending slot and deadline.
 
 ``authenticate`` is the wire part of the handshake on its own (nonce, AUTH, MAC check): the shared
-``pipeline.wire.handshake.server_handshake``, one-way; admission and the WELCOME stay here.
+``pipeline.wire.handshake.server_handshake``, mutual; admission, the server's answer and the WELCOME stay here.
 """
 from __future__ import annotations
 
