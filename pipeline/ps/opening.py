@@ -70,6 +70,16 @@ def open_shard(opening: Opening, host: str, port: int, timeout: Timeout) -> tupl
         pause = min(2 * pause, _RETRY_MAX_S)
 
 
+def _drops(opening: Opening) -> tuple[type[BaseException], ...]:
+    """How a listener's eviction of this pending connection shows on this side."""
+    drops: tuple[type[BaseException], ...] = (PeerClosedError, ConnectionResetError, BrokenPipeError)
+    if opening.tls is not None:  # ssl is imported already: the socket was wrapped
+        import ssl
+
+        drops += (ssl.SSLEOFError, ssl.SSLZeroReturnError)
+    return drops
+
+
 def _timeout_error(opening: Opening, what: str, wait: Timeout) -> PSTimeoutError:
     return PSTimeoutError(f"rank {opening.rank} {wait.message(what)}")
 
@@ -110,7 +120,7 @@ def _attempt(opening: Opening, host: str, port: int, timeout: Timeout,
         if isinstance(exc, TimeoutError):
             raise _timeout_error(opening, f"the handshake with the parameter server at {host}:{port}",
                                  timeout) from None
-        if isinstance(exc, (PeerClosedError, ConnectionResetError, BrokenPipeError)):
+        if isinstance(exc, _drops(opening)):
             raise _Dropped() from None
         if isinstance(exc, (PSError, OSError)):
             raise AuthenticationError(f"handshake of rank {rank} failed: {exc}") from exc

@@ -8,10 +8,12 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
 from pipeline.wire.frames import MAGIC
 from pipeline.wire.pending import PENDING_CAP, PendingSlots
+from pipeline.wire.tls import new_job_cert
 
 FLOOD_SOCKETS = 200
 FLOOD_S = 3.0
@@ -55,14 +57,17 @@ class Flood:
             sock.close()
 
 
-def test_real_ranks_connect_and_train_during_a_flood(make_server, make_client, background) -> None:
-    server = make_server(world_size=2)
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_real_ranks_connect_and_train_during_a_flood(make_server, make_client, background, tls) -> None:
+    cert = new_job_cert() if tls else None
+    server = make_server(world_size=2, tls=cert)
     flood = Flood(server.address)
     try:
         assert flood.started.wait(FLOOD_S + 2)
 
         def rank(r: int):
-            c = make_client(server, r, timeout_s=10.0, expected_params=6)
+            c = make_client(server, r, timeout_s=10.0, expected_params=6,
+                            tls=cert.pinned() if cert is not None else None)
             c.connect()
             for step in range(3):
                 version, _ = c.pull(step)
