@@ -203,6 +203,7 @@ class ShardListener:
 
     def _handshake(self, channel: Channel, peer: tuple) -> RankConnection | None:
         """(TLS,) authenticate, admit, WELCOME. Returns the registered connection, or None if rejected."""
+        evicted = False
         try:
             try:
                 if self._tls is not None:
@@ -230,7 +231,8 @@ class ShardListener:
                     self._admitted -= 1
                 raise
         except HandshakeRejected as rejected:
-            self._reject(channel, peer, rejected)
+            if not evicted:  # an eviction was counted and logged (once per many) by the accept loop
+                self._reject(channel, peer, rejected)
             return None
         try:
             assert claim.nonce is not None
