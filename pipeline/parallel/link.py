@@ -29,7 +29,7 @@ import select
 import socket
 import threading
 import time
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -58,6 +58,9 @@ from pipeline.wire.handshake import (
 )
 from pipeline.wire.pending import PENDING_CAP, PendingSlots
 from pipeline.wire.sockets import connect, listen, set_socket_options
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import PinnedCert, ServerCert
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +275,7 @@ class StageListener:
     def __init__(self, host: str, secret: Secret, generation: int, *, stage: int, rank: int,
                  expect_rank: Optional[int] = None, port: int = 0,
                  max_elements: int = DEFAULT_MAX_ELEMENTS, timeout_s: Union[float, Timeout] = DEFAULT_TIMEOUT_S,
-                 connect_timeout: Union[float, Timeout, None] = None, tls: Optional[object] = None) -> None:
+                 connect_timeout: Union[float, Timeout, None] = None, tls: Optional[ServerCert] = None) -> None:
         self._secret = secret_bytes(secret)
         self._tls = tls  # ps.tls: pipeline.wire.tls.ServerCert
         self.generation = generation
@@ -386,7 +389,8 @@ class StageListener:
 def connect_link(host: str, port: int, secret: Secret, generation: int, *, stage: int, rank: int,
                  expect_rank: Optional[int] = None, max_elements: int = DEFAULT_MAX_ELEMENTS,
                  timeout_s: Union[float, Timeout] = DEFAULT_TIMEOUT_S,
-                 connect_timeout: Union[float, Timeout, None] = None, tls: Optional[object] = None) -> StageLink:
+                 connect_timeout: Union[float, Timeout, None] = None,
+                 tls: Optional[PinnedCert] = None) -> StageLink:
     """Connect stage ``stage`` to stage ``stage + 1``'s listener at ``host:port`` and authenticate
     both ways. ``expect_rank``, if given, is the only rank accepted as the downstream peer.
     ``timeout_s`` bounds the link's receives and sends (``timeouts.link_s``), ``connect_timeout``

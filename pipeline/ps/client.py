@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
@@ -33,6 +33,9 @@ from pipeline.ps.opening import Opening, open_shard
 from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
 from pipeline.wire.frames import U32_MAX, PeerClosedError
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import PinnedCert
 
 __all__ = ["PSClient", "ServerInfo", "ShardInfo"]  # the WELCOME types live in protocol.py
 
@@ -78,7 +81,7 @@ class PSClient(BufferRequests):
                  timeout_s: Union[float, Timeout] = 60.0,
                  connect_timeout: Union[float, Timeout, None] = None,
                  log_tail: Callable[[], str] | None = None, expected_params: Optional[int] = None,
-                 expected_buffer_words: Optional[int] = None, tls: Optional[object] = None) -> None:
+                 expected_buffer_words: Optional[int] = None, tls: Optional[PinnedCert] = None) -> None:
         if not 0 <= rank <= U32_MAX or not 0 <= generation <= U32_MAX:
             raise PSError(f"rank {rank} and generation {generation} must fit an unsigned 32-bit field")
         self.step_timeout = Timeout.of(timeout_s, STEP_KEY)

@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from pipeline.errors import PSError
 from pipeline.ps.connection import RankConnection
@@ -29,6 +29,9 @@ from pipeline.wire.deadline import Timeout, deadline_after
 from pipeline.wire.handshake import HANDSHAKE_S, Claim, Refusal, answer, send_refusal, server_handshake
 from pipeline.wire.pending import PENDING_CAP, PendingSlots
 from pipeline.wire.sockets import listen, set_socket_options
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import ServerCert
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class ShardListener:
     def __init__(self, host: str, port: int, *, shard_index: int, cond: threading.Condition,
                  stats: ShardStats, max_connections: int, secret: bytes, step_timeout: Timeout,
                  owner: ConnectionHost, pending_connections: int = PENDING_CAP,
-                 tls: Optional[object] = None) -> None:
+                 tls: Optional[ServerCert] = None) -> None:
         self._host = host
         self._port = port
         self._index = shard_index

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pipeline.errors import AuthenticationError, PSError, PSTimeoutError, ProtocolError
 from pipeline.ps.protocol import Channel, MsgType, ServerInfo, check_welcome, parse_welcome
@@ -19,6 +19,9 @@ from pipeline.wire.deadline import Timeout, deadline_after
 from pipeline.wire.frames import PeerClosedError
 from pipeline.wire.handshake import PeerRefused, client_handshake, refusal_text
 from pipeline.wire.sockets import connect
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import PinnedCert
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class Opening:
     secret: bytes
     expected_params: Optional[int] = None
     expected_buffer_words: Optional[int] = None
-    tls: Optional[object] = None  # pipeline.wire.tls.PinnedCert
+    tls: Optional[PinnedCert] = None
 
 
 class _Dropped(Exception):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -41,6 +41,9 @@ from pipeline.wire.deadline import Timeout
 from pipeline.wire.frames import U32_MAX
 from pipeline.wire.handshake import Claim
 
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import ServerCert
+
 logger = logging.getLogger(__name__)
 
 _CLOSE_GRACE_S = 1.0  # how long close() lets woken waiters deliver their ERROR frames
@@ -58,7 +61,7 @@ class ShardServer:
                  host: str, port: int = 0, generation: int = 1, on_metrics: MetricsHook | None = None,
                  shard_index: int = 0, start: int = 0, total_params: int | None = None,
                  failure_sink: FailureSink | None = None, buffers: BufferStore | None = None,
-                 tls: object | None = None) -> None:
+                 tls: ServerCert | None = None) -> None:
         if not 1 <= world_size <= U32_MAX:
             raise PSError(f"world_size must be >= 1, got {world_size}")
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
