@@ -55,7 +55,7 @@ def open_shard(opening: Opening, host: str, port: int, timeout: Timeout) -> tupl
     while True:
         attempts += 1
         try:
-            return _attempt(opening, host, port, timeout, deadline)
+            return _attempt(opening, host, port, timeout, deadline, first=attempts == 1)
         except PSTimeoutError:
             if attempts == 1:
                 raise
@@ -87,11 +87,12 @@ def _timeout_error(opening: Opening, what: str, wait: Timeout) -> PSTimeoutError
     return PSTimeoutError(f"rank {opening.rank} {wait.message(what)}")
 
 
-def _attempt(opening: Opening, host: str, port: int, timeout: Timeout,
-             deadline: Optional[float]) -> tuple[Channel, ServerInfo]:
+def _attempt(opening: Opening, host: str, port: int, timeout: Timeout, deadline: Optional[float], *,
+             first: bool) -> tuple[Channel, ServerInfo]:
     rank = opening.rank
-    left = Timeout(max(deadline - time.monotonic(), 1e-3), timeout.key, timeout.inherited_from) \
-        if deadline is not None else timeout
+    # A retry connects within what is left of the one deadline (its message names the same key).
+    left = timeout if first or deadline is None else \
+        Timeout(max(deadline - time.monotonic(), 1e-3), timeout.key, timeout.inherited_from)
     sock = connect(host, port, left, who=f"rank {rank}", peer="the parameter server",
                    advice="check that executors can reach the driver")
     channel = None
