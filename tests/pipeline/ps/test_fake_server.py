@@ -241,3 +241,38 @@ def test_the_real_server_of_another_model_is_refused(make_server, make_client) -
     server = make_server(world_size=1)
     with pytest.raises(AuthenticationError, match="announced 6 parameters but this worker's model has 7"):
         make_client(server, 0, expected_params=7).connect()
+
+
+def test_a_handshake_dropped_without_a_refusal_is_tried_again(fake) -> None:
+    """What an eviction under a flood looks like to an honest worker: the listener hangs up mid-handshake
+    without an ERROR. The worker opens the connection again within its connect deadline."""
+    secret = new_secret()
+    seen: list[int] = []
+
+    def script(channel: Channel, nonce: bytes) -> None:
+        seen.append(1)
+        if len(seen) == 1:
+            return  # hang up: evicted
+        prove(secret)(channel, nonce)
+        welcome(channel)
+
+    client = client_of(fake(script), secret)
+    try:
+        assert client.connect().num_params == 6 and len(seen) == 2
+    finally:
+        client.close()
+
+
+def test_a_refusal_is_final_at_once(fake) -> None:
+    seen: list[int] = []
+
+    def script(channel: Channel, nonce: bytes) -> None:
+        seen.append(1)
+        channel.send_json(MsgType.ERROR, {"error": "rank 0 already finished", "kind": "error"},
+                          generation=1, rank=0, timeout=5)
+
+    server = fake(script)
+    outcome, _ = connect_measured(client_of(server, new_secret()))
+    assert isinstance(outcome, AuthenticationError) and "parameter server refused rank 0: rank 0 already " \
+        "finished" in str(outcome), outcome
+    assert len(seen) == 1  # not tried again
