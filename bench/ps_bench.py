@@ -1,12 +1,13 @@
 """Parameter-server wire speed against its ceilings, and async throughput against ``ps.shards``.
 
-    .venv/bin/python bench/ps_bench.py [--sizes-mb 1 4 16] [--steps 30] [--window-s 3]
+    .venv/bin/python bench/ps_bench.py [--sizes-mb 1 4 16] [--steps 30] [--window-s 3] [--no-async]
 
 Part 1, per parameter size (fp32), 2 workers, each in its own process:
 (a) shardline PS ``sync`` round: push the gradient, pull the next version (server in this process);
 (b) ``torch.distributed`` gloo allreduce of the same bytes between 2 processes (tcp://127.0.0.1);
-(c) raw loopback TCP round trip of the same bytes (send n, get n back) between 2 processes.
-Prints ms per step and the ratios a/b, a/c.
+(c) raw loopback TCP round trip of the same bytes (send n, get n back) between 2 processes;
+(d) the same PS round as (a) with ``ps.tls: true`` (TLS with the per-job certificate, fingerprint pinned).
+Prints ms per step and the ratios a/b, a/c and d/a (the cost of the encrypted wire).
 
 Part 2: aggregate updates/s in ``async`` mode, a 64 KB model, 8/16/32 simulated workers (threads in
 2 worker processes) against 1/2/4 shards in this process; counted as versions applied (every shard
@@ -40,13 +41,13 @@ def _free_port() -> int:
 
 
 # -- (a) PS sync round ------------------------------------------------------------------------------
-def _ps_worker(port: int, rank: int, secret: bytes, steps: int, warmup: int, out: mp.Queue) -> None:
+def _ps_worker(port: int, rank: int, secret: bytes, steps: int, warmup: int, out: mp.Queue, pinned=None) -> None:
     import torch
 
     from pipeline.ps import PSClient
 
     torch.set_num_threads(1)
-    with PSClient(HOST, port, rank=rank, secret=secret, timeout_s=120) as client:
+    with PSClient(HOST, port, rank=rank, secret=secret, timeout_s=120, tls=pinned) as client:
         info = client.connect()
         grad = torch.full((info.num_params,), 1e-6)
         version, _ = client.pull(0)
@@ -59,19 +60,23 @@ def _ps_worker(port: int, rank: int, secret: bytes, steps: int, warmup: int, out
     out.put(times[warmup:])
 
 
-def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1) -> float:
+def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1, tls: bool = False) -> float:
     import torch
 
     from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
     from pipeline.wire.deadline import STEP_KEY, Timeout
+    from pipeline.wire.tls import job_cert
 
     secret = new_secret()
+    cert = job_cert(tls)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     settings = PSSettings(optimizer=OptimizerSpec(name="sgd", lr=0.01), shards=shards,
                           step_timeout=Timeout.of(120, STEP_KEY))
-    with ParameterServer(torch.zeros(nbytes // 4), settings, world_size=2, secret=secret, host=HOST) as server:
-        procs = [ctx.Process(target=_ps_worker, args=(server.address[1], r, secret, steps, warmup, out))
+    with ParameterServer(torch.zeros(nbytes // 4), settings, world_size=2, secret=secret, host=HOST,
+                         tls=cert) as server:
+        pinned = cert.pinned() if cert is not None else None
+        procs = [ctx.Process(target=_ps_worker, args=(server.address[1], r, secret, steps, warmup, out, pinned))
                  for r in range(2)]
         for p in procs:
             p.start()
@@ -228,6 +233,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--window-s", type=float, default=3.0)
     parser.add_argument("--model-kb", type=int, default=64)
+    parser.add_argument("--no-async", action="store_true", help="part 1 only")
     args = parser.parse_args()
     import torch
 
@@ -236,14 +242,18 @@ def main() -> None:
     print(f"host: {os.cpu_count()} cpus, torch {torch.__version__}, python {sys.version.split()[0]}")
     print("\nsync round, 2 worker processes (median ms per step)")
     print(f"{'size':>6} | {'(a) PS push+pull':>16} | {'(b) gloo allreduce':>18} | {'(c) TCP round trip':>18} | "
-          f"{'a/b':>5} | {'a/c':>5}")
+          f"{'(d) PS over TLS':>15} | {'a/b':>5} | {'a/c':>5} | {'d/a':>5}")
     for mb in args.sizes_mb:
         nbytes = int(mb * MB)
         a = ps_sync_round(nbytes, args.steps, args.warmup)
         b = gloo_allreduce(nbytes, args.steps, args.warmup)
         c = tcp_round_trip(nbytes, args.steps, args.warmup)
-        print(f"{mb:>4g}MB | {a * 1e3:>16.2f} | {b * 1e3:>18.2f} | {c * 1e3:>18.2f} | {a / b:>5.2f} | {a / c:>5.2f}",
-              flush=True)
+        d = ps_sync_round(nbytes, args.steps, args.warmup, tls=True)
+        print(f"{mb:>4g}MB | {a * 1e3:>16.2f} | {b * 1e3:>18.2f} | {c * 1e3:>18.2f} | {d * 1e3:>15.2f} | "
+              f"{a / b:>5.2f} | {a / c:>5.2f} | {d / a:>5.2f}", flush=True)
+    if args.no_async:
+        print(f"\ntotal {time.perf_counter() - started:.0f}s")
+        return
     print(f"\nasync updates/s, {args.model_kb} KB model, workers as threads in 2 processes")
     print(f"{'workers':>7} | " + " | ".join(f"{f'{k} shard(s)':>11}" for k in args.shards) + " | 2 vs 1")
     for w in args.workers:

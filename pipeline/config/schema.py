@@ -269,6 +269,10 @@ class PSConfig(_Section):
     # async/ssp server SGD momentum; null: train.momentum less the momentum asynchrony implies
     # (tau/(1+tau), tau = parallelism.data-1 in async, min(ps.staleness, parallelism.data-1) in ssp).
     async_momentum: Optional[float] = Field(None, ge=0, lt=1)
+    # TLS on every PS connection and pipeline stage link (pipeline/wire/tls.py): a per-job self-signed
+    # certificate whose SHA-256 fingerprint travels with the job secret; workers pin it. The HMAC
+    # handshake still runs inside. Off: plain TCP (authenticated, not encrypted).
+    tls: bool = False
 
 
 class TimeoutsConfig(_Section):

@@ -20,26 +20,32 @@ the launcher) and stage p calls :func:`connect_link` with that address. A stage 
 p-1 and connects to p+1 may do the two in either order: the TCP connect completes in the listener's
 backlog, so a chain of stages cannot deadlock on it.
 
-Frame header (little-endian, 48 bytes)::
-
-    magic 4s | version u8 | type u8 | dtype u8 | pad 1 | generation u32 | rank u32 | step i64 |
-    micro u32 | rows u32 | cols u32 | pad 4 | length u64
+The frames themselves (header layout, validation) are ``pipeline.parallel.link_frames``'.
 """
 from __future__ import annotations
 
 import logging
+import select
 import socket
-import struct
+import threading
 import time
-from dataclasses import dataclass
-from enum import IntEnum
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from pipeline.errors import AuthenticationError, ProtocolError, PSError
+from pipeline.parallel.link_frames import (  # noqa: F401 - the link's frames, re-exported
+    LINK_HEADER,
+    LINK_MAGIC,
+    LINK_VERSION,
+    _WHAT,
+    LinkFrame,
+    LinkHeader,
+    _LinkChannel,
+    decode_link_header,
+)
 from pipeline.wire.deadline import CONNECT_KEY, LINK_KEY, Timeout, deadline_after
-from pipeline.wire.frames import HEADER_SIZE, U32_MAX, Channel, DType, PeerClosedError, tensor_view
+from pipeline.wire.frames import Channel, PeerClosedError, tensor_view
 from pipeline.wire.handshake import (
     HANDSHAKE_S,
     PeerRefused,
@@ -50,103 +56,20 @@ from pipeline.wire.handshake import (
     send_refusal,
     server_handshake,
 )
+from pipeline.wire.pending import PENDING_CAP, PendingSlots
 from pipeline.wire.sockets import connect, listen, set_socket_options
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import PinnedCert, ServerCert
 
 logger = logging.getLogger(__name__)
 
-LINK_MAGIC = b"SHPL"
-LINK_VERSION = 1
-LINK_HEADER = struct.Struct("<4sBBBxIIqIIIxxxxQ")
-# Same size as the wire's standard header (the handshake's) so one Channel buffer and receive loop serve both.
-assert LINK_HEADER.size == HEADER_SIZE
 # 64 Mi floats (256 MiB) per frame unless the caller knows better (e.g. micro_rows * widest activation).
 DEFAULT_MAX_ELEMENTS = 1 << 26
 DEFAULT_TIMEOUT_S = 120.0
 _MAX_ERROR_CHARS = 2000
 
 Secret = Union[bytes, str]
-
-
-class LinkFrame(IntEnum):
-    """Tensor frames on a stage link. ACTIVATION goes p -> p+1, ACTIVATION_GRAD goes p+1 -> p."""
-
-    ACTIVATION = 1
-    ACTIVATION_GRAD = 2
-
-
-_WHAT = {LinkFrame.ACTIVATION: "activations", LinkFrame.ACTIVATION_GRAD: "activation gradients"}
-
-
-@dataclass(frozen=True)
-class LinkHeader:
-    """One decoded, validated link frame header. Quacks like ``protocol.Header`` for ``Channel.send``."""
-
-    type: LinkFrame
-    generation: int
-    rank: int
-    step: int
-    micro: int
-    rows: int
-    cols: int
-
-    @property
-    def count(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def length(self) -> int:
-        return self.count * 4
-
-    def pack(self) -> bytes:
-        for name in ("generation", "rank", "micro", "rows", "cols"):
-            if not 0 <= getattr(self, name) <= U32_MAX:
-                raise ProtocolError(f"link frame {name} {getattr(self, name)} does not fit an unsigned 32-bit field")
-        if not -(2**63) <= self.step < 2**63:
-            raise ProtocolError(f"step {self.step} does not fit a signed 64-bit field")
-        return LINK_HEADER.pack(LINK_MAGIC, LINK_VERSION, int(self.type), int(DType.FLOAT32), self.generation,
-                                self.rank, self.step, self.micro, self.rows, self.cols, self.length)
-
-
-def decode_link_header(data: Union[bytes, bytearray, memoryview], *, max_elements: int) -> LinkHeader:
-    """Parse and validate a link frame header; after it the caller may read exactly ``length`` bytes."""
-    if len(data) != LINK_HEADER.size:
-        raise ProtocolError(f"link frame header must be {LINK_HEADER.size} bytes, got {len(data)}")
-    magic, version, type_code, dtype, generation, rank, step, micro, rows, cols, length = LINK_HEADER.unpack(data)
-    if magic != LINK_MAGIC:
-        raise ProtocolError(f"bad magic {bytes(magic)!r} on a stage link (expected {LINK_MAGIC!r})")
-    if version != LINK_VERSION:
-        raise ProtocolError(f"stage link version {version} is not supported (this side speaks {LINK_VERSION}); "
-                            "all stages must run the same shardline version")
-    try:
-        frame = LinkFrame(type_code)
-    except ValueError:
-        raise ProtocolError(f"unknown stage link frame type {type_code}") from None
-    if dtype != DType.FLOAT32:
-        raise ProtocolError(f"{frame.name} frame has dtype code {dtype}; stage links carry float32 only")
-    if rows == 0 or cols == 0:
-        raise ProtocolError(f"{frame.name} frame has an empty shape ({rows}, {cols})")
-    count = rows * cols
-    if count > max_elements:
-        raise ProtocolError(
-            f"{frame.name} frame announces shape ({rows}, {cols}) = {count} elements, more than the "
-            f"{max_elements} this link accepts per frame"
-        )
-    if length != count * 4:
-        raise ProtocolError(f"{frame.name} payload length {length} != {rows} * {cols} * 4")
-    return LinkHeader(frame, generation, rank, step, micro, rows, cols)
-
-
-class _LinkChannel(Channel):
-    """A wire Channel (handshake frames, send path, byte counts) that also reads link frames."""
-
-    def recv_link_header(self, deadline: Optional[float]) -> LinkHeader:
-        self._recv_exact(self._header_view, deadline, frame_start=True)
-        return decode_link_header(self._header_buf, max_elements=self.max_elements)
-
-    def recv_link_payload(self, header: LinkHeader, deadline: Optional[float]) -> torch.Tensor:
-        out = torch.empty((header.rows, header.cols), dtype=torch.float32)
-        self._recv_exact(memoryview(out.numpy()).cast("B"), deadline, frame_start=False)
-        return out
 
 
 def _waits(timeout_s: Union[float, Timeout],
@@ -296,6 +219,50 @@ class StageLink:
         self.close()
 
 
+class _Race:
+    """The handshakes of one ``accept``: the first to succeed wins; the rest are shut down or closed."""
+
+    def __init__(self) -> None:
+        self.slots = PendingSlots(PENDING_CAP)
+        self.wake, self._waker = socket.socketpair()
+        self._lock = threading.Lock()
+        self._won: Optional[StageLink] = None
+        self._closed = False
+
+    def run(self, handshake, channel: "_LinkChannel", peer: tuple, handshake_s: float) -> None:
+        try:
+            link = handshake(channel, peer, handshake_s, self.slots)
+        except Exception:  # a bug must not hang accept: log it with the peer; the wait goes on
+            logger.exception("stage link handshake with %s crashed", peer)
+            channel.close()
+            return
+        if link is None:
+            channel.close()
+            return
+        with self._lock:
+            keep = self._won is None and not self._closed
+            if keep:
+                self._won = link
+        if not keep:
+            link.close()
+            return
+        try:
+            self._waker.send(b"x")
+        except OSError:
+            pass
+
+    def winner(self) -> Optional[StageLink]:
+        with self._lock:
+            return self._won
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.slots.shut_all()
+        self.wake.close()
+        self._waker.close()
+
+
 class StageListener:
     """Stage ``stage``'s listening socket for the link from stage ``stage - 1``.
 
@@ -308,8 +275,9 @@ class StageListener:
     def __init__(self, host: str, secret: Secret, generation: int, *, stage: int, rank: int,
                  expect_rank: Optional[int] = None, port: int = 0,
                  max_elements: int = DEFAULT_MAX_ELEMENTS, timeout_s: Union[float, Timeout] = DEFAULT_TIMEOUT_S,
-                 connect_timeout: Union[float, Timeout, None] = None) -> None:
+                 connect_timeout: Union[float, Timeout, None] = None, tls: Optional[ServerCert] = None) -> None:
         self._secret = secret_bytes(secret)
+        self._tls = tls  # ps.tls: pipeline.wire.tls.ServerCert
         self.generation = generation
         self.stage = stage
         self.rank = rank
@@ -327,35 +295,57 @@ class StageListener:
     def accept(self, timeout_s: Union[float, Timeout, None] = None) -> StageLink:
         """Wait for stage ``stage - 1`` to connect and authenticate; connections that fail the
         handshake are refused (ERROR frame, logged) and the wait goes on until the deadline.
-        ``timeout_s``: the listener's ``connect_timeout`` unless given (a float is ``timeouts.connect_s``)."""
+        ``timeout_s``: the listener's ``connect_timeout`` unless given (a float is ``timeouts.connect_s``).
+
+        Each connection's handshake runs in its own thread, in a pending slot (``pipeline.wire.pending``:
+        the oldest evicted at the cap), so idle or garbage sockets cannot hold the real peer out."""
         wait = self.connect_timeout if timeout_s is None else Timeout.of(timeout_s, CONNECT_KEY)
         deadline = deadline_after(wait)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                host, port = self.address
-                raise wait.error(f"stage {self.stage - 1} to connect to stage {self.stage}'s link at "
-                                 f"{host}:{port}", why="check that executors can reach each other")
-            self._sock.settimeout(left)
-            try:
-                sock, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            link = self._handshake(sock, peer, min(left, HANDSHAKE_S))
-            if link is not None:
-                return link
-
-    def _handshake(self, sock: socket.socket, peer: tuple, handshake_s: float) -> Optional[StageLink]:
-        """The wire's server handshake, mutual; then this stage's own admission (generation, rank)."""
-        channel = _LinkChannel(sock, max_elements=0)
+        race = _Race()
         try:
-            set_socket_options(sock)
-            claim = server_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
-                                     timeout=handshake_s, mutual=True)
+            while True:
+                link = race.winner()
+                if link is not None:
+                    return link
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    host, port = self.address
+                    raise wait.error(f"stage {self.stage - 1} to connect to stage {self.stage}'s link at "
+                                     f"{host}:{port}", why="check that executors can reach each other")
+                ready, _, _ = select.select([self._sock, race.wake], [], [], left)
+                if self._sock not in ready:
+                    continue
+                try:
+                    sock, peer = self._sock.accept()
+                except (BlockingIOError, TimeoutError):
+                    continue
+                channel = _LinkChannel(sock, max_elements=0)
+                if race.slots.add(channel) is not None:
+                    logger.warning("stage %s: %s unauthenticated link connections pending, the oldest evicted",
+                                   self.stage, race.slots.cap)
+                threading.Thread(target=race.run, args=(self._handshake, channel, peer, min(left, HANDSHAKE_S)),
+                                 name=f"link-handshake-{peer[0]}:{peer[1]}", daemon=True).start()
+        finally:
+            race.close()
+
+    def _handshake(self, channel: "_LinkChannel", peer: tuple, handshake_s: float,
+                   slots: PendingSlots) -> Optional[StageLink]:
+        """(TLS,) the wire's server handshake, mutual; then this stage's own admission (generation, rank)."""
+        try:
+            try:
+                set_socket_options(channel.sock)
+                if self._tls is not None:
+                    from pipeline.wire.tls import wrap_server
+
+                    channel.sock = wrap_server(channel.sock, self._tls, timeout=handshake_s)
+                claim = server_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
+                                         timeout=handshake_s, mutual=True)
+            finally:
+                evicted = slots.settle(channel)
         except Refusal as exc:
-            return self._reject(channel, peer, exc.reason)
+            return None if evicted else self._reject(channel, peer, exc.reason)
         except OSError as exc:
-            return self._reject(channel, peer, f"handshake failed: {exc}")
+            return None if evicted else self._reject(channel, peer, f"handshake failed: {exc}")
         rank, generation = claim.rank, claim.generation
         if generation != self.generation:
             return self._reject(channel, peer, f"rank {rank} belongs to generation {generation} but stage "
@@ -380,7 +370,7 @@ class StageListener:
         logger.warning("stage %s refused a link connection from %s: %s", self.stage, peer, reason)
         send_refusal(channel, reason, generation=self.generation, rank=self.rank, timeout=1.0,
                      max_chars=_MAX_ERROR_CHARS)
-        channel.close()
+        channel.linger_close()
         return None
 
     def close(self) -> None:
@@ -399,11 +389,13 @@ class StageListener:
 def connect_link(host: str, port: int, secret: Secret, generation: int, *, stage: int, rank: int,
                  expect_rank: Optional[int] = None, max_elements: int = DEFAULT_MAX_ELEMENTS,
                  timeout_s: Union[float, Timeout] = DEFAULT_TIMEOUT_S,
-                 connect_timeout: Union[float, Timeout, None] = None) -> StageLink:
+                 connect_timeout: Union[float, Timeout, None] = None,
+                 tls: Optional[PinnedCert] = None) -> StageLink:
     """Connect stage ``stage`` to stage ``stage + 1``'s listener at ``host:port`` and authenticate
     both ways. ``expect_rank``, if given, is the only rank accepted as the downstream peer.
     ``timeout_s`` bounds the link's receives and sends (``timeouts.link_s``), ``connect_timeout``
-    connecting and the handshake (``timeouts.connect_s``; None: as long as ``timeout_s``)."""
+    connecting and the handshake (``timeouts.connect_s``; None: as long as ``timeout_s``). ``tls``
+    (``ps.tls``): the job certificate's pinned fingerprint (``pipeline.wire.tls.PinnedCert``)."""
     link_wait, connect_wait = _waits(timeout_s, connect_timeout)
     who = f"stage {stage} (rank {rank})"
     what = f"the link handshake of {who} with stage {stage + 1} at {host}:{port}"
@@ -413,6 +405,10 @@ def connect_link(host: str, port: int, secret: Secret, generation: int, *, stage
                    advice="check that executors can reach each other")
     channel = _LinkChannel(sock, max_elements=0)
     try:
+        if tls is not None:
+            from pipeline.wire.tls import wrap_client
+
+            channel.sock = wrap_client(sock, tls, deadline=deadline, peer=f"stage {stage + 1} at {host}:{port}")
         try:
             claim = client_handshake(channel, secret_b, rank=rank, generation=generation, deadline=deadline,
                                      mutual=True, peer=f"the listener at {host}:{port}")

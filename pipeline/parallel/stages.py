@@ -191,3 +191,10 @@ def stage_slices(stage_modules: Sequence[nn.Module]) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
+
+
+def model_stages(model, stages: int, cuts=None) -> list:
+    """The stage modules of the whole model (a factory's own stages when it returned a list of them)."""
+    if getattr(model, "shardline_stages", False):
+        return split_stages(list(model.children()), stages, cuts)
+    return split_stages(model, stages, cuts)

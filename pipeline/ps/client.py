@@ -22,18 +22,20 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
-from pipeline.errors import AuthenticationError, NonFiniteError, PSError, PSTimeoutError, ProtocolError, is_retryable
+from pipeline.errors import NonFiniteError, PSError, PSTimeoutError, ProtocolError, is_retryable
 from pipeline.ps.buffer_requests import BufferRequests
 from pipeline.ps.compression import Compressor
-from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo, parse_welcome
+from pipeline.ps.opening import Opening, open_shard
+from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
 from pipeline.wire.frames import U32_MAX, PeerClosedError
-from pipeline.wire.handshake import client_handshake, refusal_text
-from pipeline.wire.sockets import connect
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import PinnedCert
 
 __all__ = ["PSClient", "ServerInfo", "ShardInfo"]  # the WELCOME types live in protocol.py
 
@@ -78,7 +80,8 @@ class PSClient(BufferRequests):
     def __init__(self, host: str, port: int, *, rank: int, secret: bytes, generation: int = 1,
                  timeout_s: Union[float, Timeout] = 60.0,
                  connect_timeout: Union[float, Timeout, None] = None,
-                 log_tail: Callable[[], str] | None = None) -> None:
+                 log_tail: Callable[[], str] | None = None, expected_params: Optional[int] = None,
+                 expected_buffer_words: Optional[int] = None, tls: Optional[PinnedCert] = None) -> None:
         if not 0 <= rank <= U32_MAX or not 0 <= generation <= U32_MAX:
             raise PSError(f"rank {rank} and generation {generation} must fit an unsigned 32-bit field")
         self.step_timeout = Timeout.of(timeout_s, STEP_KEY)
@@ -96,6 +99,11 @@ class PSClient(BufferRequests):
         # train.profile: called with "push" once a PUSH_PULL's gradient is sent (pipeline.worker.timing).
         self.phase_hook: Optional[Callable[[str], None]] = None
         self._secret = bytes(secret)
+        # The sizes of the model this worker built: every WELCOME is held against them before the
+        # client allocates anything it announces (a forged or confused server is refused).
+        self.expected_params = expected_params
+        self.expected_buffer_words = expected_buffer_words
+        self._opening = Opening(rank, generation, self._secret, expected_params, expected_buffer_words, tls)
         self._links: list[_Link] = []
         self._info: ServerInfo | None = None
         self._params_buf: bytearray | None = None
@@ -146,8 +154,9 @@ class PSClient(BufferRequests):
         return len(self._links)
 
     def connect(self) -> ServerInfo:
-        """Connect and authenticate (CHALLENGE -> AUTH -> WELCOME) with shard 0, then with every other
-        shard its WELCOME lists. Idempotent while connected."""
+        """Connect and authenticate both ways (CHALLENGE -> AUTH + CHALLENGE -> AUTH -> WELCOME,
+        ``pipeline.ps.opening``) with shard 0, then with every other shard its WELCOME lists, each WELCOME
+        held against this worker's model sizes. Idempotent while connected."""
         return self._connect(self.connect_timeout)
 
     def _connect(self, timeout: Timeout) -> ServerInfo:
@@ -186,39 +195,8 @@ class PSClient(BufferRequests):
         return info
 
     def _handshake(self, host: str, port: int, timeout: Timeout) -> tuple[Channel, ServerInfo]:
-        """Connect, answer the CHALLENGE (``pipeline.wire.handshake``), read the WELCOME."""
-        deadline = deadline_after(timeout)
-        sock = connect(host, port, timeout, who=f"rank {self.rank}", peer="the parameter server",
-                       advice="check that executors can reach the driver")
-        channel = Channel(sock, max_elements=0)
-        try:
-            client_handshake(channel, self._secret, rank=self.rank, generation=self.generation,
-                             deadline=deadline)
-            header = channel.recv_header(deadline)
-            if header.type is MsgType.ERROR:
-                raise AuthenticationError(
-                    f"parameter server refused rank {self.rank}: {refusal_text(channel, header, deadline)}"
-                )
-            if header.type is not MsgType.WELCOME:
-                raise ProtocolError(f"expected WELCOME, got {header.type.name}")
-            info = parse_welcome(channel.recv_json(header, deadline))
-        except AuthenticationError:
-            channel.close()
-            raise
-        except TimeoutError:
-            channel.close()
-            raise self._timeout_error(f"the handshake with the parameter server at {host}:{port}",
-                                      timeout, at=False) from None
-        except PeerClosedError:
-            channel.close()
-            raise AuthenticationError(
-                f"the parameter server at {host}:{port} closed the connection during the "
-                f"handshake of rank {self.rank} (wrong secret, generation or rank?)"
-            ) from None
-        except (PSError, OSError) as exc:
-            channel.close()
-            raise AuthenticationError(f"handshake of rank {self.rank} failed: {exc}") from exc
-        return channel, info
+        """One shard's connection, mutually authenticated, its WELCOME checked (``pipeline.ps.opening``)."""
+        return open_shard(self._opening, host, port, timeout)
 
     def close(self) -> None:
         """Close every shard connection. Idempotent; never raises."""

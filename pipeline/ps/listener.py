@@ -1,14 +1,16 @@
 """One shard's listening socket: the accept loop, a thread per connection, and the server side of the
-HMAC handshake (CHALLENGE -> AUTH -> WELCOME).
+mutual HMAC handshake (CHALLENGE -> AUTH + the worker's CHALLENGE -> admission -> AUTH -> WELCOME).
 
 Why one thread per connection: only that thread writes to its socket, so frames never interleave.
-Connections are capped so a flood of unauthenticated sockets cannot exhaust threads or memory, and an
-unauthenticated socket gets at most ``HANDSHAKE_S`` (``pipeline.wire.handshake``) to prove the secret:
-an honest worker answers the CHALLENGE at once, and silent sockets must not hold slots for a whole step
-deadline.
+Connections are capped so a flood of unauthenticated sockets cannot exhaust threads or memory: pending
+(unauthenticated) ones in ``pipeline.wire.pending.PendingSlots`` (the oldest evicted at its cap, so a
+real rank still gets in during a flood), admitted ones by ``max_connections``. An unauthenticated socket
+gets at most ``HANDSHAKE_S`` (``pipeline.wire.handshake``) to prove the secret: an honest worker answers
+the CHALLENGE at once, and silent sockets must not hold slots for a whole step deadline. With ``ps.tls``
+the TLS handshake runs in the connection's thread, inside the same pending slot and deadline.
 
 ``authenticate`` is the wire part of the handshake on its own (nonce, AUTH, MAC check): the shared
-``pipeline.wire.handshake.server_handshake``, one-way; admission and the WELCOME stay here.
+``pipeline.wire.handshake.server_handshake``, mutual; admission, the server's answer and the WELCOME stay here.
 """
 from __future__ import annotations
 
@@ -16,16 +18,20 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from pipeline.errors import PSError
 from pipeline.ps.connection import RankConnection
 from pipeline.ps.messages import AUTH
 from pipeline.ps.protocol import Channel, MsgType
 from pipeline.ps.stats import ShardStats
-from pipeline.wire.deadline import Timeout
-from pipeline.wire.handshake import HANDSHAKE_S, Claim, Refusal, send_refusal, server_handshake
+from pipeline.wire.deadline import Timeout, deadline_after
+from pipeline.wire.handshake import HANDSHAKE_S, Claim, Refusal, answer, send_refusal, server_handshake
+from pipeline.wire.pending import PENDING_CAP, PendingSlots
 from pipeline.wire.sockets import listen, set_socket_options
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import ServerCert
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +52,12 @@ class HandshakeRejected(Exception):
 
 def authenticate(channel: Channel, *, secret: bytes, generation: int, timeout: Timeout) -> Claim:
     """CHALLENGE with a fresh nonce, then the peer's AUTH must carry the MAC of the secret over it,
-    bound to the rank and generation it claims. Returns that claim (one-way: no nonce of the peer's;
-    admission is next); raises HandshakeRejected."""
+    bound to the rank and generation it claims, followed by the peer's own CHALLENGE (mutual: the
+    server answers it once the rank is admitted, before WELCOME). Returns that claim; raises
+    HandshakeRejected."""
     try:
         return server_handshake(channel, secret, rank=0, generation=generation,
-                                timeout=timeout.shorter(HANDSHAKE_S))
+                                timeout=timeout.shorter(HANDSHAKE_S), mutual=True)
     except Refusal as refused:
         raise HandshakeRejected(refused.reason) from None
 
@@ -71,13 +78,17 @@ class ShardListener:
 
     def __init__(self, host: str, port: int, *, shard_index: int, cond: threading.Condition,
                  stats: ShardStats, max_connections: int, secret: bytes, step_timeout: Timeout,
-                 owner: ConnectionHost) -> None:
+                 owner: ConnectionHost, pending_connections: int = PENDING_CAP,
+                 tls: Optional[ServerCert] = None) -> None:
         self._host = host
         self._port = port
         self._index = shard_index
         self._cond = cond
         self._stats = stats
-        self._max_connections = max_connections
+        self._max_connections = max_connections  # admitted (authenticated) connections
+        self._pending = PendingSlots(pending_connections)
+        self._admitted = 0
+        self._tls = tls  # pipeline.wire.tls.ServerCert, or None
         self._secret = secret
         self._timeout = step_timeout
         self._owner = owner
@@ -153,29 +164,27 @@ class ShardListener:
                 if self._closed:
                     sock.close()
                     return
-                too_many = len(self._threads) >= self._max_connections
-                if too_many:
+                channel = Channel(sock, max_elements=0)
+                self._open_channels.add(channel)
+                thread = threading.Thread(target=self._serve_connection, args=(channel, peer),
+                                          name=f"ps-conn-{peer[0]}:{peer[1]}", daemon=True)
+                self._threads.add(thread)
+            if self._pending.add(channel) is not None:
+                with self._cond:
                     self._stats.rejected_connections += 1
-                else:
-                    thread = threading.Thread(target=self._serve_connection, args=(sock, peer),
-                                              name=f"ps-conn-{peer[0]}:{peer[1]}", daemon=True)
-                    self._threads.add(thread)
-            if too_many:
-                logger.warning("rejected connection from %s: more than %s open connections",
-                               peer, self._max_connections)
-                sock.close()
-                continue
+                evictions = self._pending.evictions
+                if evictions == 1 or evictions % 1000 == 0:  # a flood must not flood the log too
+                    logger.warning("parameter server: %s unauthenticated connections pending, the oldest "
+                                   "evicted (%s so far): a flood of connections, or a port scan?",
+                                   self._pending.cap, evictions)
             thread.start()
 
     # -- one connection (its own thread) --------------------------------------------------------------
-    def _serve_connection(self, sock: socket.socket, peer: tuple) -> None:
-        channel = Channel(sock, max_elements=0)
-        with self._cond:
-            self._open_channels.add(channel)
+    def _serve_connection(self, channel: Channel, peer: tuple) -> None:
         conn: RankConnection | None = None
         try:
             try:
-                set_socket_options(sock)
+                set_socket_options(channel.sock)
             except OSError:
                 pass  # the peer is already gone; the handshake below notices and logs it
             conn = self._handshake(channel, peer)
@@ -191,24 +200,55 @@ class ShardListener:
                 self._stats.bytes_sent += channel.bytes_sent
                 if conn is not None:
                     self._owner.release_locked(conn)
+                    self._admitted -= 1
                 self._threads.discard(threading.current_thread())
                 self._cond.notify_all()
 
     def _handshake(self, channel: Channel, peer: tuple) -> RankConnection | None:
-        """Authenticate, admit, WELCOME. Returns the registered connection, or None if rejected."""
+        """(TLS,) authenticate, admit, WELCOME. Returns the registered connection, or None if rejected."""
+        evicted = False
         try:
-            claim = authenticate(channel, secret=self._secret, generation=self._owner.current_generation(),
-                                 timeout=self._timeout)
-            conn, welcome = self._owner.admit(claim, channel)
+            try:
+                if self._tls is not None:
+                    from pipeline.wire.tls import wrap_server
+
+                    try:
+                        channel.sock = wrap_server(channel.sock, self._tls,
+                                                   timeout=self._timeout.shorter(HANDSHAKE_S).seconds)
+                    except OSError as exc:  # not TLS, or not our certificate: no frame can reach the peer
+                        raise HandshakeRejected(f"TLS handshake failed: {exc}", kind="tls") from None
+                claim = authenticate(channel, secret=self._secret, generation=self._owner.current_generation(),
+                                     timeout=self._timeout)
+            finally:
+                evicted = self._pending.settle(channel)
+            if evicted:
+                return None  # counted and logged by the accept loop; the socket is already shut down
+            with self._cond:
+                if self._admitted >= self._max_connections:
+                    raise HandshakeRejected(f"more than {self._max_connections} open connections")
+                self._admitted += 1
+            try:
+                conn, welcome = self._owner.admit(claim, channel)
+            except BaseException:
+                with self._cond:
+                    self._admitted -= 1
+                raise
         except HandshakeRejected as rejected:
-            self._reject(channel, peer, rejected)
+            if not evicted:  # an eviction was counted and logged (once per many) by the accept loop
+                self._reject(channel, peer, rejected)
             return None
         try:
+            assert claim.nonce is not None
+            # The server's proof, bound to the worker's nonce: only then does the worker trust WELCOME.
+            answer(channel, self._secret, claim.nonce, generation=conn.generation, rank=self._index,
+                   deadline=deadline_after(self._timeout.shorter(HANDSHAKE_S)))
             channel.send_json(MsgType.WELCOME, welcome, generation=conn.generation, rank=conn.rank,
                               timeout=self._timeout.seconds)
         except (OSError, PSError) as exc:
             logger.warning("rank %s from %s vanished during the handshake: %s", conn.rank, peer, exc)
-        logger.info("rank %s connected from %s (generation %s)", conn.rank, peer, conn.generation)
+        version = getattr(channel.sock, "version", None)  # an ssl.SSLSocket's: ps.tls
+        logger.info("rank %s connected from %s (generation %s, %s)", conn.rank, peer, conn.generation,
+                    version() if version is not None else "plain TCP")
         return conn
 
     def _reject(self, channel: Channel, peer: tuple, rejected: HandshakeRejected) -> None:
@@ -216,6 +256,9 @@ class ShardListener:
         logger.warning("rejected PS connection from %s: %s", peer, rejected.reason)
         with self._cond:
             self._stats.rejected_connections += 1
+        if rejected.kind == "tls":
+            return
         send_refusal(channel, rejected.reason, kind=rejected.kind, generation=rejected.generation,
                      rank=rejected.rank, timeout=self._timeout.seconds)
+        channel.linger_close()
 

@@ -42,7 +42,7 @@ __all__ = [
     "Channel", "MsgType", "decode_header", "decode_tensor", "tensor_bytes", "DEFAULT_TENSOR_DTYPES",
     "DTYPE_OF_TORCH", "BUFFER_TYPES", "MAX_BUFFER_WORDS",
     "EMPTY_TYPES", "FIXED_SIZE_TYPES", "ITEMSIZE", "JSON_TYPES", "TENSOR_TYPES",
-    "TORCH_DTYPES", "ServerInfo", "ShardInfo", "parse_welcome",
+    "TORCH_DTYPES", "ServerInfo", "ShardInfo", "parse_welcome", "check_welcome", "MAX_SHARDS",
     # Re-exported from pipeline.wire.frames: what PS frames are built from.
     "DType", "Header",
 ]
@@ -89,6 +89,8 @@ JSON_TYPES = frozenset({MsgType.WELCOME, MsgType.METRICS, MsgType.FAIL, MsgType.
 # the header only caps them (buffers are small next to parameters; 64 MiB is far above any BatchNorm).
 BUFFER_TYPES = frozenset({MsgType.BUFFERS})
 MAX_BUFFER_WORDS = 1 << 24
+# ps.shards' upper bound (config/schema.py): a WELCOME listing more is not from a shardline server.
+MAX_SHARDS = 64
 FIXED_SIZE_TYPES: dict[MsgType, int] = {MsgType.CHALLENGE: NONCE_SIZE, MsgType.AUTH: MAC_SIZE}
 EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH, MsgType.PULL_BUFFERS})
 
@@ -220,6 +222,26 @@ def parse_welcome(body: dict[str, Any]) -> ServerInfo:
         if any(s.start != edges[i] or s.end <= s.start for i, s in enumerate(shards)) \
                 or edges[-1] != info.num_params:
             raise ProtocolError(f"WELCOME announces shard ranges that do not tile [0, {info.num_params})")
+    return info
+
+
+def check_welcome(info: ServerInfo, *, expected_params: Optional[int],
+                  expected_buffer_words: Optional[int] = None) -> ServerInfo:
+    """A WELCOME held against the model this worker built itself, before anything is allocated from it:
+    a server that lies about sizes (or a bug on either side) is refused, naming both numbers.
+
+    ``expected_params``: the worker's own parameter count (None: not known yet, only the header caps
+    apply). ``expected_buffer_words``: the fp32 words of its buffers; the server may keep none (0)."""
+    if expected_params is not None and info.num_params != expected_params:
+        raise ProtocolError(f"the parameter server announced {info.num_params} parameters but this worker's "
+                            f"model has {expected_params}; refusing it (a different model, or not this job's "
+                            "server)")
+    if expected_buffer_words is not None and info.buffer_words not in (0, expected_buffer_words):
+        raise ProtocolError(f"the parameter server announced {info.buffer_words} buffer words but this "
+                            f"worker's model has {expected_buffer_words}; refusing it")
+    if len(info.shards) > MAX_SHARDS:
+        raise ProtocolError(f"WELCOME announces {len(info.shards)} shards, more than the {MAX_SHARDS} "
+                            "ps.shards allows")
     return info
 
 

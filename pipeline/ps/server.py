@@ -26,7 +26,7 @@ continue then in sync/average mode, rather than training on mixed parameters).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -38,6 +38,9 @@ from pipeline.ps.fanout import MixedVersionsText, ServerGroup
 from pipeline.ps.modes import Consistency
 from pipeline.ps.settings import SHARDS_KEY, PSSettings
 from pipeline.ps.shard import ShardServer
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import ServerCert
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,8 @@ class ParameterServer:
     def __init__(self, initial: torch.Tensor, settings: PSSettings, *, world_size: int, secret: bytes,
                  host: str, port: int = 0, generation: int = 1,
                  on_metrics: Callable[[int, dict], None] | None = None,
-                 on_failure: FailureObserver | None = None, buffers: BufferStore | None = None) -> None:
+                 on_failure: FailureObserver | None = None, buffers: BufferStore | None = None,
+                 tls: ServerCert | None = None) -> None:
         if not isinstance(settings, PSSettings):
             raise PSError(f"ParameterServer needs PSSettings, got {type(settings).__name__}")
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
@@ -89,7 +93,7 @@ class ParameterServer:
                         # Metrics are sent once per report, to shard 0.
                         on_metrics=on_metrics if i == 0 else None, shard_index=i, start=start,
                         total_params=self._num_params, failure_sink=self._board,
-                        buffers=buffers if i == 0 else None)
+                        buffers=buffers if i == 0 else None, tls=tls)
             for i, (start, end) in enumerate(self._ranges)
         ]
         if self._board is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -41,6 +41,9 @@ from pipeline.wire.deadline import Timeout
 from pipeline.wire.frames import U32_MAX
 from pipeline.wire.handshake import Claim
 
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import ServerCert
+
 logger = logging.getLogger(__name__)
 
 _CLOSE_GRACE_S = 1.0  # how long close() lets woken waiters deliver their ERROR frames
@@ -57,7 +60,8 @@ class ShardServer:
     def __init__(self, initial: torch.Tensor, settings: PSSettings, *, world_size: int, secret: bytes,
                  host: str, port: int = 0, generation: int = 1, on_metrics: MetricsHook | None = None,
                  shard_index: int = 0, start: int = 0, total_params: int | None = None,
-                 failure_sink: FailureSink | None = None, buffers: BufferStore | None = None) -> None:
+                 failure_sink: FailureSink | None = None, buffers: BufferStore | None = None,
+                 tls: ServerCert | None = None) -> None:
         if not 1 <= world_size <= U32_MAX:
             raise PSError(f"world_size must be >= 1, got {world_size}")
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
@@ -86,7 +90,7 @@ class ShardServer:
         self._replying = 0  # requests woken by fail()/close() that still have to send their ERROR
         self._listener = ShardListener(host, port, shard_index=shard_index, cond=self._cond, stats=self._stats,
                                        max_connections=2 * world_size + 8, secret=bytes(secret),
-                                       step_timeout=settings.step_timeout, owner=self)
+                                       step_timeout=settings.step_timeout, owner=self, tls=tls)
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -35,6 +35,9 @@ from pipeline.ps.fanout import MixedVersionsText, ServerGroup
 from pipeline.ps.modes import Consistency
 from pipeline.ps.server import ParameterServer
 from pipeline.ps.settings import PSSettings
+
+if TYPE_CHECKING:  # ps.tls only
+    from pipeline.wire.tls import ServerCert
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class StagedParameterServer:
     def __init__(self, initial: torch.Tensor, stage_ranges: list[tuple[int, int]], settings: PSSettings, *,
                  replicas: int, secret: bytes, host: str, generation: int = 1,
                  on_metrics: Optional[Callable[[int, dict], None]] = None,
-                 stage_buffers: Optional[list[Optional[BufferStore]]] = None) -> None:
+                 stage_buffers: Optional[list[Optional[BufferStore]]] = None, tls: Optional[ServerCert] = None) -> None:
         flat = initial.detach().to(torch.float32).reshape(-1)
         if stage_ranges[0][0] != 0 or stage_ranges[-1][1] != flat.numel() or any(
                 a[1] != b[0] for a, b in zip(stage_ranges, stage_ranges[1:])):
@@ -68,7 +71,7 @@ class StagedParameterServer:
                             on_metrics=self._metrics_sink(stage, on_metrics),
                             on_failure=self._failure_sink(stage),
                             # Each stage's buffers belong to that stage's server.
-                            buffers=stage_buffers[stage] if stage_buffers else None)
+                            buffers=stage_buffers[stage] if stage_buffers else None, tls=tls)
             for stage, (start, end) in enumerate(stage_ranges)
         ]
         self._group = ServerGroup(self._servers, name="pipeline stages", rank_of=self.global_rank,

@@ -5,7 +5,11 @@ stage links; no Spark, no torch.distributed, and torch is not imported to load i
 * :mod:`pipeline.wire.frames` — the 48-byte header, validated before any payload byte is read; the
   :class:`Channel` (exact reads with deadlines, zero-copy sends); JSON payloads with their cap.
 * :mod:`pipeline.wire.handshake` — HMAC challenge-response over the per-job secret, bound to rank and
-  generation; client and server sides, one-way or mutual.
+  generation; client and server sides, one-way or mutual (every shardline connection runs it mutually).
+* :mod:`pipeline.wire.pending` — slots for unauthenticated connections apart from admitted ones, the
+  oldest evicted at the cap, so a flood cannot lock real peers out.
+* :mod:`pipeline.wire.tls` — ``ps.tls``: TLS with a per-job self-signed certificate, its fingerprint
+  pinned by connectors (imported only when ``ps.tls`` is on).
 * :mod:`pipeline.wire.sockets` — socket options, buffer sizes, connect/listen on a specific address.
 * :mod:`pipeline.wire.deadline` — :class:`Timeout`: a wait's seconds with the key that sets it.
 """

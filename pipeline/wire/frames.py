@@ -218,7 +218,14 @@ class Channel:
         else:
             # Header and payload in one syscall (no copy of the payload); the rest, if any, by sendall.
             deadline = deadline_after(timeout)
-            sent = self.sock.sendmsg([packed, body])
+            try:
+                sent = self.sock.sendmsg([packed, body])
+            except NotImplementedError:  # a TLS socket (ps.tls): its own buffering, one sendall each
+                self.sock.sendall(packed)
+                self.sock.settimeout(remaining(deadline))
+                self.sock.sendall(body)
+                self.bytes_sent += HEADER_SIZE + header.length
+                return
             if sent < HEADER_SIZE:
                 self.sock.settimeout(remaining(deadline))
                 self.sock.sendall(packed[sent:])
@@ -310,6 +317,25 @@ class Channel:
             view = memoryview(chunk)[: min(left, len(chunk))]
             self._recv_exact(view, deadline, frame_start=False)
             left -= len(view)
+
+    def linger_close(self, seconds: float = 0.5, max_bytes: int = 64 * 1024) -> None:
+        """Close after a refusal: stop sending, read what the peer already sent (up to ``max_bytes``, for
+        at most ``seconds``) until it hangs up, then close. A close with unread bytes makes the kernel
+        reset the connection, which can discard the ERROR frame before the peer reads it (a mutual
+        handshake's connector has sent its CHALLENGE right behind the AUTH that was refused)."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            deadline = deadline_after(seconds)
+            left = max_bytes
+            while left > 0:
+                self.sock.settimeout(remaining(deadline))
+                data = self.sock.recv(min(left, 16 * 1024))
+                if not data:
+                    break
+                left -= len(data)
+        except (OSError, ValueError):
+            pass
+        self.close()
 
     def close(self) -> None:
         """Shut down then close; shutdown wakes a thread blocked in recv on this socket."""

@@ -5,8 +5,9 @@ HMAC-SHA256(secret, nonce ‖ rank ‖ generation) (AUTH), proving it holds the 
 and generation without sending the secret, in a form that cannot be replayed on another connection.
 With ``mutual=True`` the connector then challenges the listener the same way, and the listener answers
 once it has accepted the connector: a forged listener can neither learn anything nor feed the connector
-made-up data. The pipeline stage links run it mutually; the parameter server one way (the connector
-proves itself; the server's WELCOME follows).
+made-up data. Every connection runs it mutually: the pipeline stage links and the parameter server
+(whose answer comes after admission, right before WELCOME, so a worker trusts no WELCOME, shard address
+or size from a listener that does not hold the job's secret).
 
 Client side: :func:`client_handshake`. Server side: :func:`server_handshake` (then the caller's own
 admission checks: generation, rank range, duplicates) and, when mutual, :func:`answer`. A refusal goes
@@ -31,8 +32,9 @@ from pipeline.wire.frames import NONCE_SIZE, Buffer, Channel, Control
 
 MAX_REFUSAL_CHARS = 64 * 1024
 # The longest a listener waits for a new connection's handshake: an honest peer answers at once, and a
-# silent socket must not hold the listener (or a connection slot) for a whole step or link deadline.
-HANDSHAKE_S = 10.0
+# silent socket must not hold the listener (or a pending slot, pipeline.wire.pending) for a whole step or
+# link deadline. Short, because each pending slot a flood holds is held this long.
+HANDSHAKE_S = 3.0
 
 
 def auth_mac(secret: bytes, nonce: bytes, rank: int, generation: int) -> bytes:
@@ -159,15 +161,18 @@ def server_handshake(channel: Channel, secret: bytes, *, rank: int, generation: 
     try:
         nonce = send_challenge(channel, generation=generation, rank=rank, deadline=deadline)
         their_rank, their_generation, mac = read_proof(channel, deadline, refusable=False)
+        # Checked before the peer's CHALLENGE is read: a forged AUTH is refused at once, whatever follows.
+        if not verify_mac(secret, nonce, their_rank, their_generation, mac):
+            raise Refusal(f"authentication failed for rank {their_rank}: wrong secret")
         their_nonce = None
         if mutual:
             their_nonce = read_challenge(channel, deadline, refusable=False, after=" after AUTH")
+    except Refusal:
+        raise
     except TimeoutError:
         raise Refusal(f"no AUTH within {seconds:g}s of connecting") from None
     except (PSError, OSError) as exc:
         raise Refusal(f"handshake failed: {exc}") from None
-    if not verify_mac(secret, nonce, their_rank, their_generation, mac):
-        raise Refusal(f"authentication failed for rank {their_rank}: wrong secret")
     return Claim(their_rank, their_generation, their_nonce)
 
 

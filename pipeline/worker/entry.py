@@ -12,13 +12,15 @@ from pipeline.worker.stage_loop import StageWiring, run_stage
 
 def run(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, device: str = "cpu",
         rendezvous: Optional[Rendezvous] = None, log_tail: Optional[Callable[[], str]] = None,
-        wiring: Optional[StageWiring] = None) -> WorkerResult:
+        wiring: Optional[StageWiring] = None, tls=None) -> WorkerResult:
     """Train this rank's share of the run; raise on any failure (the caller reports it).
 
     ``device`` is where the model trains (``cuda:N`` for the GPU Spark assigned the task); ``rendezvous``
     is the allreduce group's address (``train.backend: allreduce``); ``wiring`` a pipeline stage's links
-    to its neighbours; ``log_tail`` gives this rank's recent log lines for the FAIL it sends."""
+    to its neighbours; ``log_tail`` gives this rank's recent log lines for the FAIL it sends; ``tls``
+    (``ps.tls``) the job certificate's pinned fingerprint every connection checks."""
     if plan.stage is not None:  # parallelism.pipeline > 1: this task runs one stage of a replica
         return run_stage(plan, ps_host, ps_port, secret, wiring or StageWiring(), device=device,
-                         rendezvous=rendezvous, log_tail=log_tail)
-    return run_flat(plan, ps_host, ps_port, secret, device=device, rendezvous=rendezvous, log_tail=log_tail)
+                         rendezvous=rendezvous, log_tail=log_tail, tls=tls)
+    return run_flat(plan, ps_host, ps_port, secret, device=device, rendezvous=rendezvous, log_tail=log_tail,
+                    tls=tls)

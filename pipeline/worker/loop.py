@@ -37,7 +37,7 @@ def _evaluate(model, loss, features, labels, task: str) -> dict[str, float]:
 
 
 def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, device: str = "cpu",
-             rendezvous=None, log_tail=None) -> WorkerResult:
+             rendezvous=None, log_tail=None, tls=None) -> WorkerResult:
     """Train this rank's share of the run (one whole model replica); raise on any failure.
 
     backend ps: gradients go to the server in its ``ps.mode``. backend allreduce: the model is wrapped in
@@ -49,7 +49,7 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
     seed_rank(plan)
     started = time.perf_counter()
     faults = FaultHooks(plan.faults, plan.rank)
-    with ps_session(plan, ps_host, ps_port, secret, log_tail=log_tail) as (client, info):
+    with ps_session(plan, ps_host, ps_port, secret, log_tail=log_tail, tls=tls) as (client, info):
         loader = make_train_loader(plan)
         validation = (read_tensors(plan.validation_files, plan.features_field, plan.label_field,
                                    plan.num_features, plan.model.feature_set) if plan.validation_files else None)

@@ -71,23 +71,26 @@ def make_train_loader(plan: WorkerPlan, *, rank: Optional[int] = None,
 
 # -- the PS session --------------------------------------------------------------------------------
 def _client(plan: WorkerPlan, host: str, port: int, secret: bytes, rank: int,
-            log_tail: Optional[Callable[[], str]]) -> PSClient:
+            log_tail: Optional[Callable[[], str]], tls=None) -> PSClient:
     from pipeline.ps import PSClient
+    from pipeline.worker.sizes import expected_sizes
 
+    params, buffer_words = expected_sizes(plan)  # every WELCOME is checked against this task's own model
     # Each wait's error names its own key: timeouts.step_s for a step, timeouts.connect_s for connecting.
     return PSClient(host, port, rank=rank, secret=secret, generation=plan.generation,
-                    timeout_s=plan.deadlines.step, connect_timeout=plan.deadlines.connect, log_tail=log_tail)
+                    timeout_s=plan.deadlines.step, connect_timeout=plan.deadlines.connect, log_tail=log_tail,
+                    expected_params=params, expected_buffer_words=buffer_words, tls=tls)
 
 
 @contextmanager
 def ps_session(plan: WorkerPlan, host: str, port: int, secret: bytes, *, rank: Optional[int] = None,
-               log_tail: Optional[Callable[[], str]] = None) -> Iterator[tuple[PSClient, ServerInfo]]:
+               log_tail: Optional[Callable[[], str]] = None, tls=None) -> Iterator[tuple[PSClient, ServerInfo]]:
     """Connected to the PS as ``rank`` (default ``plan.rank``; a stage is its replica on its stage's
     server) for the block; FINISH when the block completes.
 
     Connecting comes first, before anything that can fail; leaving on an exception sends FAIL (the
     client's exit), so the server frees the peers at once instead of letting them time out."""
-    with _client(plan, host, port, secret, plan.rank if rank is None else rank, log_tail) as client:
+    with _client(plan, host, port, secret, plan.rank if rank is None else rank, log_tail, tls) as client:
         info = client.connect()
         yield client, info
         client.finish()

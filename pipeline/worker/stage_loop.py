@@ -47,16 +47,14 @@ class StageWiring:
 
 
 def model_stages(model, stages: int, cuts=None) -> list:
-    """The stage modules of the whole model (a factory's own stages when it returned a list of them)."""
-    from pipeline.parallel.stages import split_stages
+    """The stage modules of the whole model (``pipeline.parallel.stages.model_stages``)."""
+    from pipeline.parallel.stages import model_stages as split
 
-    if getattr(model, "shardline_stages", False):
-        return split_stages(list(model.children()), stages, cuts)
-    return split_stages(model, stages, cuts)
+    return split(model, stages, cuts)
 
 
 def run_stage(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, wiring: StageWiring, *,
-              device: str = "cpu", rendezvous=None, log_tail=None) -> WorkerResult:
+              device: str = "cpu", rendezvous=None, log_tail=None, tls=None) -> WorkerResult:
     """Train this task's stage (``plan.stage``); raise on any failure (the caller reports it, naming rank
     and stage). The stage's own server (``plan.stage.ps``), when the plan names one, replaces the
     address given."""
@@ -67,14 +65,14 @@ def run_stage(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, wirin
         ps_host, ps_port = grid.ps
     try:
         return _run_stage(plan, grid, ps_host, int(ps_port), secret, wiring, device=device, rendezvous=rendezvous,
-                          log_tail=log_tail)
+                          log_tail=log_tail, tls=tls)
     finally:
         if wiring.listener is not None:  # also when failing before the links were set up
             wiring.listener.close()
 
 
 def _run_stage(plan: WorkerPlan, grid: StagePlan, ps_host: str, ps_port: int, secret: bytes, wiring: StageWiring,
-               *, device: str, rendezvous, log_tail) -> WorkerResult:
+               *, device: str, rendezvous, log_tail, tls) -> WorkerResult:
     import torch
 
     from pipeline.models import build_model, loss_fn
@@ -83,7 +81,7 @@ def _run_stage(plan: WorkerPlan, grid: StagePlan, ps_host: str, ps_port: int, se
     seed_rank(plan)
     started = time.perf_counter()
     faults = FaultHooks(plan.faults, plan.rank)
-    with ps_session(plan, ps_host, ps_port, secret, rank=grid.replica, log_tail=log_tail) as (client, info):
+    with ps_session(plan, ps_host, ps_port, secret, rank=grid.replica, log_tail=log_tail, tls=tls) as (client, info):
         loader = None
         if grid.is_first or grid.is_last:
             # Seeded by the replica, so the first and last stage of a replica draw the same rows.
@@ -94,7 +92,7 @@ def _run_stage(plan: WorkerPlan, grid: StagePlan, ps_host: str, ps_port: int, se
                 plan.label_field if grid.is_last or both else None))
         module = model_stages(build_model(plan.model), grid.stages, grid.cuts)[grid.stage].to(device)
         group = _stage_group(rendezvous, grid, faults, device) if plan.backend == "allreduce" else nullcontext()
-        with group, _links(plan, grid, secret, wiring) as (prev, nxt):
+        with group, _links(plan, grid, secret, wiring, tls) as (prev, nxt):
             gpipe = GPipeStage(module, stage=grid.stage, stages=grid.stages, micro_batches=grid.micro_batches,
                                prev=prev, next=nxt, loss_fn=loss_fn(plan.model) if grid.is_last else None,
                                device=torch.device(device))
@@ -107,8 +105,8 @@ class _links:
     """Accept the previous stage's link, then connect to the next (in that order on every stage, so the
     chain forms without a deadlock); both closed on the way out."""
 
-    def __init__(self, plan: WorkerPlan, grid: StagePlan, secret: bytes, wiring: StageWiring):
-        self.plan, self.grid, self.secret, self.wiring = plan, grid, secret, wiring
+    def __init__(self, plan: WorkerPlan, grid: StagePlan, secret: bytes, wiring: StageWiring, tls=None):
+        self.plan, self.grid, self.secret, self.wiring, self.tls = plan, grid, secret, wiring, tls
         self.prev = self.next = None
 
     def __enter__(self):
@@ -122,7 +120,7 @@ class _links:
                 host, port = self.wiring.next_address
                 self.next = connect_link(host, int(port), self.secret, plan.generation, stage=grid.stage,
                                          rank=plan.rank, expect_rank=plan.rank + 1, timeout_s=deadlines.link,
-                                         connect_timeout=deadlines.connect)
+                                         connect_timeout=deadlines.connect, tls=self.tls)
         except PSError as exc:
             self.__exit__(None, None, None)
             raise StageLinkError(f"{LINK_CONSEQUENCE} of stage {grid.stage} could not be set up: {exc}") from exc

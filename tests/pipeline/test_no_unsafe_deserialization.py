@@ -141,6 +141,17 @@ def test_no_code_deserializes_objects_or_runs_code_from_bytes() -> None:
     assert found == [], "unsafe deserialization:\n" + "\n".join(found)
 
 
+def test_the_scan_covers_every_module_that_reads_the_network() -> None:
+    """Every module that decodes bytes from a socket (the frames, the handshake, the PS protocol and its
+    connection opening, the stage links' frames, TLS and pending slots) is among the scanned sources."""
+    scanned = {name for name, _ in parsed_sources()}
+    network = {"pipeline/wire/frames.py", "pipeline/wire/handshake.py", "pipeline/wire/tls.py",
+               "pipeline/wire/pending.py", "pipeline/ps/protocol.py", "pipeline/ps/opening.py",
+               "pipeline/ps/listener.py", "pipeline/ps/dispatch.py", "pipeline/parallel/link.py",
+               "pipeline/parallel/link_frames.py"}
+    assert network <= scanned, sorted(network - scanned)
+
+
 def test_the_scan_sees_the_torch_loads_that_exist() -> None:
     """The project does load checkpoints/models with torch.load: the scan must resolve and see those
     calls (all with weights_only=True, or the test above fails), not pass because it sees nothing."""

@@ -54,6 +54,7 @@ class DriverPS:
         self.server = None
         self._stack = ExitStack()
         self._secret = None
+        self._tls = None
         self._checkpointer = None
         self._bar = None
         self.monitor = None  # train.early_stopping / train.divergence (launch/monitor.py)
@@ -63,14 +64,16 @@ class DriverPS:
         from pipeline.checkpoints import Checkpointer
         from pipeline.launch.ps_side.progress import StepProgress
         from pipeline.ps import ParameterServer, new_secret
+        from pipeline.wire.tls import job_cert
 
         run, cfg = self.run, self.run.cfg
         host = ps_host(run.spark, cfg)
         log.info("training %s: %d workers x %d steps/epoch x %d epochs, %d parameters, PS on %s", cfg.name,
                  cfg.parallelism.tasks, run.steps_per_epoch, cfg.train.epochs, run.initial.numel(), host)
         self._secret = new_secret()
+        self._tls = job_cert(cfg.ps.tls)  # ps.tls: the per-job certificate, shipped with the secret
         settings = ps_settings(cfg, run.steps_per_epoch)
-        common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress)
+        common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress, tls=self._tls)
         try:
             if cfg.parallelism.pipeline > 1:
                 from pipeline.ps.staged import StagedParameterServer
@@ -149,7 +152,8 @@ class DriverPS:
         run, cfg, server = self.run, self.run.cfg, self.server
         plans = worker_plans(cfg, run.manifest, run.spec, run.steps_per_epoch, server.generation, attempt,
                              getattr(server, "addresses", None))
-        task_fn = make_task_fn(plans, TaskWiring(self._secret, cfg.train.log_tail_lines, ps=tuple(server.address)))
+        task_fn = make_task_fn(plans, TaskWiring(self._secret, cfg.train.log_tail_lines, ps=tuple(server.address),
+                                                 tls=self._tls))
         tag = new_tag()
         watchdog = StageWatchdog(server, cfg.parallelism.tasks, connect_timeout_s=deadlines(cfg).connect,
                                  grace_s=failed_attempt_grace(cfg), cancel=lambda reason: interrupt(run.spark, tag))

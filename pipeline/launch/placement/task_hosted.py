@@ -65,11 +65,13 @@ class TaskPS:
         WorkerTrainingFailedError naming the root-cause rank(s) as the task PS saw them."""
         from pipeline.launch.task.body import TaskWiring, make_task_fn
         from pipeline.ps import new_secret
+        from pipeline.wire.tls import job_cert
 
         run, cfg = self.run, self.run.cfg
         secret = new_secret()  # per attempt: a late task of a failed attempt cannot join the next one
         plans = worker_plans(cfg, run.manifest, run.spec, run.steps_per_epoch, attempt, attempt)
-        task_fn = make_task_fn(plans, TaskWiring(secret, cfg.train.log_tail_lines, hosted=self._hosted_spec(attempt)))
+        task_fn = make_task_fn(plans, TaskWiring(secret, cfg.train.log_tail_lines, hosted=self._hosted_spec(attempt),
+                                                 tls=job_cert(cfg.ps.tls)))
         log.info("barrier attempt %d (PS in rank 0's task)", attempt)
         rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.data, tag=new_tag(),
                                on_job_error=lambda exc: self._job_failure(exc, attempt))

@@ -15,6 +15,7 @@ from pipeline.worker.plan import WorkerPlan
 
 if TYPE_CHECKING:
     from pipeline.launch.task.hosted_ps import HostedPSSpec
+    from pipeline.wire.tls import PinnedCert, ServerCert
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,13 @@ class TaskWiring:
     # from rank 0 through the allGather).
     ps: Optional[tuple[str, int]] = None
     hosted: Optional["HostedPSSpec"] = None
+    # ps.tls: the job's certificate and key (pipeline.wire.tls.ServerCert) for whichever process listens;
+    # connectors pin its fingerprint. None: plain TCP.
+    tls: Optional["ServerCert"] = None
+
+    @property
+    def pinned(self) -> Optional["PinnedCert"]:
+        return self.tls.pinned() if self.tls is not None else None
 
 
 class _TailHandler(logging.Handler):
@@ -76,7 +84,7 @@ def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Opt
         if plan.rank == 0 and wiring.hosted is not None:
             host_ps, offer_error = _start_hosted_ps(wiring, own_host(context, 0))
         if plan.stage is not None and plan.stage.stage > 0 and offer_error is None:
-            listener, offer_error = stage_listener(context, plan, wiring.secret)
+            listener, offer_error = stage_listener(context, plan, wiring.secret, tls=wiring.tls)
         found, error = rendezvous(context, plan, ps=host_ps.server.address if host_ps is not None else None,
                                   link=listener.address if listener is not None else None, offer_error=offer_error)
         if error is not None:
@@ -105,7 +113,7 @@ def _start_hosted_ps(wiring: TaskWiring, host: str):
     from pipeline.launch.task.hosted_ps import HostedPS
 
     try:
-        return HostedPS(wiring.hosted, host, wiring.secret).__enter__(), None
+        return HostedPS(wiring.hosted, host, wiring.secret, tls=wiring.tls).__enter__(), None
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the allGather
         log.exception("rank 0 could not start the parameter server")
         return None, f"rank 0 could not start the parameter server (ps.placement=task): {type(exc).__name__}: {exc}"
@@ -148,7 +156,7 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
     try:
         device = choose_device(gpu)
         result = run(plan, address[0], int(address[1]), wiring.secret, device=device, rendezvous=rendezvous,
-                     log_tail=lambda: "\n".join(handler.lines), wiring=stage_wiring)
+                     log_tail=lambda: "\n".join(handler.lines), wiring=stage_wiring, tls=wiring.pinned)
         return {"rank": plan.rank, "ok": True, "error": None, "log_tail": None, "retryable": None,
                 "steps": result.steps, "samples": result.samples, "seconds": result.seconds,
                 "final_train_loss": result.final_train_loss, "process": process, "device": result.device,

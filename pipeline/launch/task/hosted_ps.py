@@ -66,10 +66,11 @@ class PeersStuckError(RuntimeError):
 class HostedPS:
     """The PS, its checkpointer and watchdog in rank 0's task; a context manager that tears all down."""
 
-    def __init__(self, spec: HostedPSSpec, host: str, secret: bytes):
+    def __init__(self, spec: HostedPSSpec, host: str, secret: bytes, *, tls=None):
         self.spec = spec
         self._host = host
         self._secret = secret
+        self._tls = tls  # ps.tls: pipeline.wire.tls.ServerCert
         self._stack = None
         self.server = None
         self.progress = None
@@ -99,7 +100,7 @@ class HostedPS:
         try:
             self.server = self._stack.enter_context(ParameterServer(
                 initial, spec.settings, world_size=spec.world_size, secret=self._secret, host=self._host,
-                generation=spec.generation, on_metrics=self.progress,
+                generation=spec.generation, on_metrics=self.progress, tls=self._tls,
                 buffers=buffer_store(build_model(spec.model),
                                      torch.frombuffer(bytearray(spec.buffers), dtype=torch.float32))
                 if spec.buffers else None))

@@ -27,7 +27,7 @@ def own_host(context, rank: int) -> str:
     return context.getTaskInfos()[rank].address.rsplit(":", 1)[0]
 
 
-def stage_listener(context, plan: WorkerPlan, secret: bytes):
+def stage_listener(context, plan: WorkerPlan, secret: bytes, *, tls=None):
     """A pipeline stage > 0 listens for the previous stage's link on its executor's address:
     (listener, None) or (None, error text) — every rank must still reach the allGather."""
     from pipeline.parallel.link import StageListener
@@ -35,7 +35,7 @@ def stage_listener(context, plan: WorkerPlan, secret: bytes):
     try:
         listener = StageListener(own_host(context, plan.rank), secret, plan.generation, stage=plan.stage.stage,
                                  rank=plan.rank, expect_rank=plan.rank - 1, timeout_s=plan.deadlines.link,
-                                 connect_timeout=plan.deadlines.connect)
+                                 connect_timeout=plan.deadlines.connect, tls=tls)
         return listener, None
     except Exception as exc:  # noqa: BLE001 - reported through the allGather
         return None, f"rank {plan.rank} could not listen for its pipeline link: {type(exc).__name__}: {exc}"

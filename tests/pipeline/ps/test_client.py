@@ -14,13 +14,15 @@ from pipeline.ps import client as client_module
 from pipeline.ps.protocol import Channel, MsgType
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout
 from pipeline.wire.frames import MAX_JSON_BYTES, PeerClosedError
+from pipeline.wire.handshake import answer
 
 
 class SilentServer:
     """Accepts one connection, optionally completes the handshake, then reads but never answers:
     a stand-in for a hung driver."""
 
-    def __init__(self, *, handshake: bool) -> None:
+    def __init__(self, *, handshake: bool, secret: bytes = b"") -> None:
+        self.secret = secret
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()
         self.handshake = handshake
@@ -35,6 +37,9 @@ class SilentServer:
                 channel.send_bytes(MsgType.CHALLENGE, b"n" * 32, generation=1, rank=0, timeout=5)
                 header = channel.recv_header(None)
                 channel.recv_bytes(header, None)  # accept any AUTH: this fake checks nothing
+                header = channel.recv_header(None)  # but it holds the secret and proves it (mutual)
+                answer(channel, self.secret, channel.recv_bytes(header, None), generation=1, rank=0,
+                       deadline=None)
                 channel.send_json(MsgType.WELCOME, {"num_params": 4, "version": 0, "world_size": 1},
                                   generation=1, rank=0, timeout=5)
             while True:  # swallow requests until the client gives up
@@ -54,8 +59,8 @@ class SilentServer:
 def silent():
     servers: list[SilentServer] = []
 
-    def make(*, handshake: bool) -> SilentServer:
-        servers.append(SilentServer(handshake=handshake))
+    def make(*, handshake: bool, secret: bytes = b"") -> SilentServer:
+        servers.append(SilentServer(handshake=handshake, secret=secret))
         return servers[-1]
 
     yield make
@@ -70,8 +75,9 @@ def test_handshake_deadline_names_what_and_the_key(silent) -> None:
 
 
 def test_ack_deadline_raises_and_disconnects(silent) -> None:
-    host, port = silent(handshake=True).address
-    c = PSClient(host, port, rank=0, secret=new_secret(), timeout_s=0.2)
+    secret = new_secret()
+    host, port = silent(handshake=True, secret=secret).address
+    c = PSClient(host, port, rank=0, secret=secret, timeout_s=0.2)
     assert c.connect().num_params == 4
     with pytest.raises(PSTimeoutError, match=r"the ACK of the gradient for step 0.*ps\.timeout_s"):
         c.push(0, torch.zeros(4))
@@ -150,8 +156,9 @@ def test_connect_and_step_waits_name_their_own_keys(silent) -> None:
     with pytest.raises(PSTimeoutError, match=r"^rank 3 timed out after 0.2s waiting for the handshake with the "
                                              r"parameter server at .*; raise timeouts.connect_s$"):
         c.connect()
-    host, port = silent(handshake=True).address
-    c = PSClient(host, port, rank=0, secret=new_secret(), timeout_s=Timeout(0.2, STEP_KEY), connect_timeout=5)
+    secret = new_secret()
+    host, port = silent(handshake=True, secret=secret).address
+    c = PSClient(host, port, rank=0, secret=secret, timeout_s=Timeout(0.2, STEP_KEY), connect_timeout=5)
     assert c.connect().num_params == 4 and c.timeout_s == 0.2
     with pytest.raises(PSTimeoutError, match=r"after 0.7s waiting for the ACK of the gradient for step 0 from the "
                                              r"parameter server at .*; raise timeouts.step_s$"):

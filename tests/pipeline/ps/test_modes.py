@@ -28,6 +28,10 @@ def raw_client(server: ParameterServer, secret: bytes, *, rank: int) -> Channel:
     header = channel.recv_header(None)
     nonce = channel.recv_bytes(header, None)
     channel.send_bytes(MsgType.AUTH, auth_mac(secret, nonce, rank, 1), generation=1, rank=rank, timeout=5)
+    channel.send_bytes(MsgType.CHALLENGE, b"c" * 32, generation=1, rank=rank, timeout=5)  # mutual
+    header = channel.recv_header(None)
+    assert header.type is MsgType.AUTH, header
+    channel.recv_bytes(header, None)
     header = channel.recv_header(None)
     assert header.type is MsgType.WELCOME, header
     channel.max_elements = int(channel.recv_json(header, None)["num_params"])

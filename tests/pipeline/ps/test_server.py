@@ -17,6 +17,7 @@ from pipeline.ps.protocol import Channel, Header, MsgType
 from pipeline.wire.deadline import deadline_after
 from pipeline.wire.frames import HEADER_SIZE, MAGIC
 from pipeline.wire.handshake import auth_mac
+from pipeline.wire.pending import PENDING_CAP
 
 TIMEOUT_S = 1.5
 JOIN_S = 10.0  # a hung thread fails the test instead of hanging the suite
@@ -59,6 +60,11 @@ def raw_channel(server: ParameterServer, secret: bytes, *, rank: int = 0,
     nonce = channel.recv_bytes(header, None)
     channel.send_bytes(MsgType.AUTH, auth_mac(secret, nonce, rank, generation),
                        generation=generation, rank=rank, timeout=TIMEOUT_S)
+    ours = b"c" * 32  # the mutual half: the server proves itself over our nonce before WELCOME
+    channel.send_bytes(MsgType.CHALLENGE, ours, generation=generation, rank=rank, timeout=TIMEOUT_S)
+    header = channel.recv_header(None)
+    assert header.type is MsgType.AUTH, header
+    assert channel.recv_bytes(header, None) == auth_mac(secret, ours, header.rank, generation)
     header = channel.recv_header(None)
     assert header.type is MsgType.WELCOME, header
     info = channel.recv_json(header, None)
@@ -199,8 +205,8 @@ def test_silent_connection_is_dropped_at_the_handshake_deadline(make_server) -> 
 
 
 def test_connection_flood_is_capped(make_server) -> None:
-    server = make_server(world_size=1)  # cap: 2 * world_size + 8 = 10 concurrent connections
-    socks = [socket.create_connection(server.address, timeout=5) for _ in range(12)]
+    server = make_server(world_size=1)  # pending cap: PENDING_CAP unauthenticated connections, oldest evicted
+    socks = [socket.create_connection(server.address, timeout=5) for _ in range(PENDING_CAP + 2)]
     try:
         wait_until(lambda: server.stats["rejected_connections"] >= 2, "connections over the cap")
     finally:

@@ -319,6 +319,11 @@ def handshake(address: tuple[str, int], secret: bytes, *, rank: int, generation:
     nonce = channel.recv_bytes(header, None)
     channel.send_bytes(MsgType.AUTH, auth_mac(secret, nonce, rank, generation),
                        generation=generation, rank=rank, timeout=TIMEOUT_S)
+    ours = b"c" * 32  # the mutual half: the server proves itself over our nonce before WELCOME
+    channel.send_bytes(MsgType.CHALLENGE, ours, generation=generation, rank=rank, timeout=TIMEOUT_S)
+    header = channel.recv_header(None)
+    assert header.type is MsgType.AUTH, header
+    assert channel.recv_bytes(header, None) == auth_mac(secret, ours, header.rank, generation)
     header = channel.recv_header(None)
     assert header.type is MsgType.WELCOME, header
     channel.recv_json(header, None)
