@@ -3,6 +3,7 @@
 #              (ETL, loaders incl. petastorm, one end-to-end training) on the LTS stack (.venv-lts)
 #              then the Airflow lane: the nightly DAG imported by Apache Airflow's DagBag (.venv-airflow)
 # make test-modern / make test-lts / make test-airflow - one lane only
+# make docs  - the docs site (docs/, MkDocs) served on 127.0.0.1:8000; make docs-build writes it to site/
 PYTHON ?= python3
 VENV ?= .venv
 LTS_VENV ?= .venv-lts
@@ -18,7 +19,7 @@ AIRFLOW_CONSTRAINTS ?= constraints/airflow.txt
 PIP := -m pip install --disable-pip-version-check -q
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install install-lts install-airflow run test test-modern test-lts test-airflow clean
+.PHONY: install install-lts install-airflow run test test-modern test-lts test-airflow docs docs-build clean
 
 install: $(STAMP)
 install-lts: $(LTS_STAMP)
@@ -61,6 +62,15 @@ test-lts: install-lts
 test-airflow: install-airflow
 	AIRFLOW_HOME=$(abspath .shardline/airflow) $(AIRFLOW_VENV)/bin/pytest --noconftest -p no:cacheprovider \
 		$(PYTEST_ARGS) tests/airflow
+
+# The docs site (MkDocs, docs/): pages generated from the code first, then served on 127.0.0.1 only.
+docs: install
+	$(PY) tools/docs_gen.py --out docs/generated
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict -a 127.0.0.1:8000
+
+docs-build: install
+	$(PY) tools/docs_gen.py --out docs/generated
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 clean:
 	rm -rf .shardline spark-warehouse metastore_db derby.log .pytest_cache

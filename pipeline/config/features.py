@@ -33,22 +33,23 @@ class _Feature(BaseModel):
 class NumericFeature(_Feature):
     """A scalar number. All numeric features travel together as ``batch['numeric']`` float32 [B, n]."""
 
-    type: Literal["numeric"] = "numeric"
+    type: Literal["numeric"] = "numeric"  # the feature kind of this entry
     # null: data.standardize decides. Statistics come from the train split only.
     standardize: Optional[bool] = None
     # null: a null/NaN/inf value makes the row invalid (data.invalid_rows). mean/median: replaced by the
     # train split's mean/median of the valid values, and an is-missing flag column is added after it.
     impute: Optional[Literal["mean", "median"]] = None
-    missing_flag: bool = True
+    missing_flag: bool = True  # with impute: also give the model a 0/1 is-missing input
 
 
 class CategoricalFeature(_Feature):
     """A string or integer column as an int64 id: 0 is null, 1 out-of-vocabulary, 2.. the vocabulary
     (most frequent first), or with ``hash_buckets`` 0 null and 1..hash_buckets a hash of the value."""
 
-    type: Literal["categorical"] = "categorical"
+    type: Literal["categorical"] = "categorical"  # the feature kind of this entry
     min_count: int = Field(1, ge=1)          # train-split occurrences a value needs to get its own id
     max_vocab: int = Field(100_000, ge=1)    # more qualifying values than this is an error: use hash_buckets
+    # hash values into this many ids instead of learning a vocabulary (unbounded cardinality)
     hash_buckets: Optional[int] = Field(None, ge=1, le=2**31 - 2)
     # The tabular model's embedding width; null: min(64, round(1.6 * cardinality ** 0.56)) (fast.ai's rule).
     embedding_dim: Optional[int] = Field(None, ge=1, le=4096)
@@ -57,18 +58,19 @@ class CategoricalFeature(_Feature):
 class VectorFeature(_Feature):
     """A fixed-length numeric array (array<float|double|int...>) or Spark ML Vector column: float32 [B, length]."""
 
-    type: Literal["vector"] = "vector"
-    length: int = Field(ge=1, le=1_000_000)
+    type: Literal["vector"] = "vector"  # the feature kind of this entry
+    length: int = Field(ge=1, le=1_000_000)  # the fixed array length; a row of another length is invalid
 
 
 class ImageFeature(_Feature):
     """Encoded PNG/JPEG bytes (source: bytes) or a column of file paths (source: path), decoded with PIL,
     converted to ``channels`` and resized to height x width: uint8 [B, channels, height, width]."""
 
-    type: Literal["image"] = "image"
-    height: int = Field(ge=1, le=8192)
-    width: int = Field(ge=1, le=8192)
-    channels: Literal[1, 3] = 3
+    type: Literal["image"] = "image"  # the feature kind of this entry
+    height: int = Field(ge=1, le=8192)  # decoded images are resized to height x width
+    width: int = Field(ge=1, le=8192)  # decoded images are resized to height x width
+    channels: Literal[1, 3] = 3  # 1: grayscale, 3: RGB (converted on decode)
+    # bytes: the column holds encoded PNG/JPEG bytes; path: it holds file paths to read
     source: Literal["bytes", "path"] = "bytes"
     # decoded: uint8 pixels in the shards (bigger files, no decode while training); encoded: the image bytes,
     # decoded by the loader's reader threads (small files, decode cost per epoch). See bench/image_bench.py.
@@ -82,10 +84,12 @@ class TextFeature(_Feature):
     array<int> column is a sequence of tokens already. Either way the vocabulary is learned on the train
     split, so ids are dense and 0/1 keep their meaning."""
 
-    type: Literal["text"] = "text"
+    type: Literal["text"] = "text"  # the feature kind of this entry
+    # token ids per row: longer rows are truncated, shorter padded (lengths kept)
     max_len: int = Field(ge=1, le=100_000)
-    min_count: int = Field(1, ge=1)
-    max_vocab: int = Field(50_000, ge=1)
+    min_count: int = Field(1, ge=1)  # train-split occurrences a token needs to get its own id
+    max_vocab: int = Field(50_000, ge=1)  # the vocabulary's size cap (most frequent tokens kept)
+    # the tabular model's embedding width for this text; null: chosen from the vocabulary size
     embedding_dim: Optional[int] = Field(None, ge=1, le=4096)
 
 

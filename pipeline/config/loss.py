@@ -16,6 +16,7 @@ class LossFields(BaseModel):
     # cross_entropy, bce (two classes: one logit, torch's BCE with logits), mse, huber, or
     # "package.module:function" called as function(task=, num_classes=, **loss_kwargs) -> loss(output, target).
     loss: str = "auto"
+    # keyword arguments for model.loss (e.g. huber's delta, a factory's own settings)
     loss_kwargs: dict[str, Any] = Field(default_factory=dict)
     # cross_entropy/bce: label smoothing epsilon, as torch's CrossEntropyLoss(label_smoothing=).
     label_smoothing: float = Field(0.0, ge=0, lt=1)

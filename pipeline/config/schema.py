@@ -22,8 +22,9 @@ from pipeline.config.tune import TuneConfig
 class SparkConfig(_Section):
     """How the embedded session is built. Ignored when a SparkSession already exists (spark-submit)."""
 
+    # the Spark master: local[N], local-cluster[...], spark://, yarn, k8s://, or sc://host:port for Spark Connect
     master: str = Field("local[2]", min_length=1)
-    app_name: str = Field("shardline", min_length=1)
+    app_name: str = Field("shardline", min_length=1)  # the Spark application's name
     # Extra Spark properties for the embedded session; values are strings as in spark-defaults.conf.
     conf: dict[str, str] = Field(default_factory=dict)
 
@@ -31,10 +32,11 @@ class SparkConfig(_Section):
 class SplitConfig(_Section):
     """Deterministic split fractions: a row's split is a function of the hash of its id and the seed."""
 
-    train: float = Field(0.7, gt=0, lt=1)
+    train: float = Field(0.7, gt=0, lt=1)  # fraction of rows in the train split (by a hash of the row id)
+    # fraction in the validation split (per-epoch val_loss / val_accuracy; 0 turns it off)
     validation: float = Field(0.15, ge=0, lt=1)
-    test: float = Field(0.15, gt=0, lt=1)
-    seed: int = Field(42, **_SEED)
+    test: float = Field(0.15, gt=0, lt=1)  # fraction in the test split (evaluation after training)
+    seed: int = Field(42, **_SEED)  # the split hash's seed
 
     @model_validator(mode="after")
     def _fractions_sum_to_one(self) -> "SplitConfig":
@@ -47,6 +49,7 @@ class SplitConfig(_Section):
 class DataConfig(_Section):
     """Where the data comes from and how it is prepared."""
 
+    # where rows come from: a built-in data set (digits, digits_images, synthetic, clicks) or your csv/parquet path
     source: Literal["digits", "digits_images", "csv", "parquet", "synthetic", "clicks"] = "digits"
     # Input path for csv/parquet; for the built-in sources, where the raw Parquet data is landed
     # (default: workdir/raw/digits, workdir/raw/digits_images, workdir/raw/synthetic-<spec>, workdir/raw/clicks-<spec>).
@@ -66,9 +69,10 @@ class DataConfig(_Section):
     # column names (numeric) or typed entries {name, type: numeric|categorical|vector|image|text, ...}
     # (pipeline/config/features.py).
     features: Optional[list[typing.Union[str, FeatureEntry]]] = None
-    label: str = Field("label", min_length=1)
+    label: str = Field("label", min_length=1)  # the label column
     # Column that identifies a row for the split hash; null hashes the row's feature and label values.
     id_column: Optional[str] = Field(None, min_length=1)
+    # classification (class labels, cross-entropy by default) or regression (numeric target, MSE by default)
     task: Literal["classification", "regression"] = "classification"
     # Classification only: the label values, in class-index order (the model's output i is classes[i]).
     # Null learns the label set from the data (sorted; numbers numerically). When set, a row whose label is
@@ -77,6 +81,7 @@ class DataConfig(_Section):
     # drop: remove rows with null/NaN/inf or non-numeric values in features or label, or a label outside
     # data.classes (counts reported per column); reject: fail naming the column, the count and the fix.
     invalid_rows: Literal["drop", "reject"] = "drop"
+    # standardize numeric features with train-split mean and std (each numeric entry may override)
     standardize: bool = True
     split: SplitConfig = Field(default_factory=SplitConfig)
     # Output directory of the shard set (default: workdir/shards/<name>).
@@ -143,9 +148,9 @@ class ModelConfig(_Section, LossFields):
     # flattened image features, then the hidden layers), logreg (the same input, one linear layer), cnn (a
     # small conv net over the image feature, then the hidden layers).
     kind: Literal["mlp", "tabular", "logreg", "cnn"] = "mlp"
-    hidden: list[int] = Field(default_factory=lambda: [64])
-    activation: Literal["relu", "tanh", "gelu"] = "relu"
-    dropout: float = Field(0.0, ge=0, lt=1)
+    hidden: list[int] = Field(default_factory=lambda: [64])  # mlp/tabular hidden widths (cnn: its head)
+    activation: Literal["relu", "tanh", "gelu"] = "relu"  # the hidden layers' activation
+    dropout: float = Field(0.0, ge=0, lt=1)  # dropout probability after each hidden layer
     # Built-ins: a BatchNorm1d after each hidden linear layer (its running statistics are model state:
     # merged across replicas, checkpointed and served like the parameters).
     batch_norm: bool = False
@@ -153,7 +158,7 @@ class ModelConfig(_Section, LossFields):
     # returning an nn.Module whose forward takes the batch dict; a factory whose first parameter is
     # num_features is the classic form: it gets the numeric width and a tensor.
     factory: Optional[str] = None
-    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    factory_kwargs: dict[str, Any] = Field(default_factory=dict)  # keyword arguments passed to model.factory
     @field_validator("hidden")
     @classmethod
     def _positive_widths(cls, value: list[int]) -> list[int]:
@@ -203,14 +208,15 @@ class ParallelismConfig(_Section):
 
 
 class TrainConfig(_Section):
-    epochs: int = Field(10, ge=1)
+    epochs: int = Field(10, ge=1)  # passes over the train split
     # Per-worker batch size; the global batch is batch_size * parallelism.data.
     batch_size: int = Field(32, ge=1)
+    # sgd (with momentum) or adam, applied on the PS (or locally with allreduce)
     optimizer: Literal["sgd", "adam"] = "sgd"
-    lr: float = Field(0.05, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    seed: int = Field(0, **_SEED)
+    lr: float = Field(0.05, gt=0)  # the learning rate (the peak rate when train.schedule warms up or decays)
+    momentum: float = Field(0.9, ge=0, lt=1)  # SGD momentum (async: see ps.async_momentum)
+    weight_decay: float = Field(0.0, ge=0)  # L2 weight decay of the optimizer
+    seed: int = Field(0, **_SEED)  # seeds the model initialization and the loaders' shuffles
     # Batches each worker's loader prepares ahead in a background thread.
     prefetch: int = Field(2, ge=0, le=64)
     # Lines of each worker's log kept for the driver's error report.
@@ -226,10 +232,11 @@ class TrainConfig(_Section):
     checkpoint_dir: Optional[str] = None
     # Checkpoint every N applied PS steps (0: only at the end); the newest keep_checkpoints are kept.
     checkpoint_every: int = Field(200, ge=0)
-    keep_checkpoints: int = Field(3, ge=1, le=1000)
+    keep_checkpoints: int = Field(3, ge=1, le=1000)  # newest checkpoints kept; older ones are pruned
     # lr schedule, clip of the applied gradient's global norm, precision, early stopping, guard: train_options.py
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    clip_grad_norm: Optional[float] = Field(None, gt=0)
+    clip_grad_norm: Optional[float] = Field(None, gt=0)  # clip each step to this global L2 norm (null: off)
+    # fp32, or autocast bf16/fp16 for forward and backward (fp16 with a GradScaler, CUDA only)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
     divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
@@ -249,7 +256,7 @@ class PSConfig(_Section):
     # What workers push: none (fp32), fp16/bf16 (half the bytes, fp32 sums on the server),
     # topk (the topk_ratio largest entries + error feedback kept on the worker).
     compression: Literal["none", "fp16", "bf16", "topk"] = "none"
-    topk_ratio: float = Field(0.01, gt=0, le=1)
+    topk_ratio: float = Field(0.01, gt=0, le=1)  # ps.compression=topk: the fraction of gradient entries sent per step
     # Parameter-server shards: balanced contiguous slices of the parameters, each with its own
     # listener and threads (all on the driver); workers talk to every shard concurrently.
     shards: int = Field(1, ge=1, le=64)
@@ -291,9 +298,10 @@ class TimeoutsConfig(_Section):
 class TrackingConfig(_Section):
     # Null: $MLFLOW_TRACKING_URI, else an SQLite file under the workdir.
     uri: Optional[str] = Field(None, min_length=1)
+    # the MLflow experiment (created if missing; an absolute workspace path on Databricks)
     experiment: str = Field("shardline", min_length=1)
-    run_name: Optional[str] = Field(None, min_length=1)
-    log_model: bool = True
+    run_name: Optional[str] = Field(None, min_length=1)  # the MLflow run's name (null: MLflow picks one)
+    log_model: bool = True  # log the served MLflow model (pyfunc) at the end of training
     # If set, the logged model is also registered under this name.
     registered_model: Optional[str] = Field(None, min_length=1)
     # Sample this process's machine (CPU, memory, disk, network; GPUs when present) into the training run
@@ -306,21 +314,21 @@ class FaultsConfig(_Section):
 
     # Rank that raises InjectedFault once it reaches fail_step.
     fail_rank: Optional[int] = Field(None, ge=0)
-    fail_step: int = Field(0, ge=0)
+    fail_step: int = Field(0, ge=0)  # the step at which fail_rank raises
     # train.backend=allreduce: fail_rank fails while joining the process group instead of at fail_step.
     fail_in_rendezvous: bool = False
     # Rank whose Python worker process SIGKILLs itself at kill_step (a crash with no goodbye).
     kill_rank: Optional[int] = Field(None, ge=0)
-    kill_step: int = Field(0, ge=0)
+    kill_step: int = Field(0, ge=0)  # the step at which kill_rank is SIGKILLed
     # Rank that sleeps delay_ms before every step from delay_step on (a straggler, or a hung worker
     # when delay_ms exceeds ps.timeout_s).
     delay_rank: Optional[int] = Field(None, ge=0)
-    delay_ms: float = Field(0.0, ge=0)
-    delay_step: int = Field(0, ge=0)
+    delay_ms: float = Field(0.0, ge=0)  # how long delay_rank sleeps per step
+    delay_step: int = Field(0, ge=0)  # the first step delay_rank sleeps at
     # Rank whose loss is multiplied by explode_factor at explode_step (the divergence guard's drill).
     explode_rank: Optional[int] = Field(None, ge=0)
-    explode_step: int = Field(0, ge=0)
-    explode_factor: float = Field(1e6, gt=0)
+    explode_step: int = Field(0, ge=0)  # the step from which explode_rank multiplies its loss
+    explode_factor: float = Field(1e6, gt=0)  # explode_rank's loss multiplier
     # Faults fire in the first `attempts` barrier attempts only, so a driver retry can succeed.
     attempts: int = Field(1, ge=1)
 
@@ -332,7 +340,7 @@ class WorkflowConfig(_Section):
     partition_column: str = Field("date", min_length=1)
     # Test metric that decides promotion, and whether higher is better (accuracy) or lower (loss, rmse).
     metric: str = Field("accuracy", min_length=1)
-    higher_is_better: bool = True
+    higher_is_better: bool = True  # whether a higher workflow.metric wins (accuracy) or a lower one (loss)
     # The new model becomes `champion` only if it beats the champion by more than this; else `challenger`.
     margin: float = 0.0
     # Start training from the champion's parameters (same model shape) instead of from scratch.
@@ -365,6 +373,7 @@ class ScoreConfig(_Section):
 class PipelineConfig(_Section):
     """The whole resolved configuration of one pipeline run."""
 
+    # names the shard set, the model folder, checkpoints and the registered model (letters, digits, _ . -)
     name: str = Field("shardline", pattern=r"^[A-Za-z0-9_.-]+$")
     # Working directory for raw data, shards, and the default MLflow store.
     workdir: str = Field(".shardline", min_length=1)

@@ -26,25 +26,25 @@ class ScheduleConfig(Section):
 
     # Steps of linear warmup from warmup_start_factor * lr to lr (0: none).
     warmup_steps: int = Field(0, ge=0)
-    warmup_start_factor: float = Field(0.01, gt=0, le=1)
+    warmup_start_factor: float = Field(0.01, gt=0, le=1)  # the warm-up starts at lr x this factor
     # After the warmup: none (constant lr), cosine (to min_lr_factor * lr at the last step), step
     # (times gamma every step_size steps), linear (to min_lr_factor * lr at the last step).
     decay: Literal["none", "cosine", "step", "linear"] = "none"
-    min_lr_factor: float = Field(0.0, ge=0, le=1)
-    step_size: int = Field(100, ge=1)
-    gamma: float = Field(0.1, gt=0, le=1)
+    min_lr_factor: float = Field(0.0, ge=0, le=1)  # cosine decays to lr x this factor
+    step_size: int = Field(100, ge=1)  # step schedule: epochs between decays
+    gamma: float = Field(0.1, gt=0, le=1)  # step schedule: the factor of each decay
 
 
 class EarlyStoppingConfig(Section):
     """``train.early_stopping``: stop when the validation metric has not improved for ``patience`` epochs,
     and train with the best epoch's parameters (the run's tags say which epoch)."""
 
-    enabled: bool = False
+    enabled: bool = False  # stop when the metric has not improved for patience epochs; the best epoch's model is kept
     # An epoch metric: val_loss, val_accuracy (or train_loss when there is no validation split).
     metric: str = Field("val_loss", min_length=1)
     # min for losses, max for accuracies; null: max when the metric name holds "accuracy", else min.
     direction: Optional[Literal["min", "max"]] = None
-    patience: int = Field(3, ge=1)
+    patience: int = Field(3, ge=1)  # epochs without improvement before stopping
     # An improvement must beat the best by more than this.
     min_delta: float = Field(0.0, ge=0)
 
@@ -55,6 +55,7 @@ class DivergenceConfig(Section):
 
     # null: on where it is supported (train.backend=ps with ps.placement=driver), off elsewhere.
     enabled: Optional[bool] = None
+    # an epoch whose train loss exceeds factor x the best epoch's (and the first's) counts as diverged
     factor: float = Field(10.0, gt=1)
     # warn: the run ends with the best epoch's model, a warning and the tag shardline.diverged;
     # fail: the run fails (DivergedError) so nothing downstream promotes it.

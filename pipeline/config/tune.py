@@ -55,10 +55,12 @@ class SearchChoices(Section):
 
 
 class TuneConfig(Section):
-    trials: int = Field(8, ge=1)
+    trials: int = Field(8, ge=1)  # trials in the study (shardline tune --trials overrides it)
+    # the epoch-row key Optuna optimizes and the pruner watches (val_accuracy, val_loss, train_loss, ...)
     metric: str = Field("val_accuracy", min_length=1)
     # null: maximize when the metric is an accuracy/f1/auc/r2, else minimize (losses).
     direction: Optional[Literal["maximize", "minimize"]] = None
+    # key -> {low, high, log, step} or {choices: [...]}: what the search varies
     space: dict[str, Union[SearchChoices, SearchRange]] = Field(default_factory=dict)
     # median: stop a trial whose epoch-k metric is worse than the median of earlier trials at epoch k.
     pruner: Literal["median", "none"] = "median"
