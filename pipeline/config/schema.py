@@ -153,6 +153,18 @@ class ModelConfig(_Section, LossFields):
     # num_features is the classic form: it gets the numeric width and a tensor.
     factory: Optional[str] = None
     factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # issue 19: factories an artifact read back (a checkpoint for --resume, a model for `shardline score`,
+    # evaluate or promotion) may name besides model.factory; any other is refused, never imported.
+    allowed_factories: list[str] = Field(default_factory=list)
+
+    @field_validator("allowed_factories")
+    @classmethod
+    def _allowed_format(cls, value: list[str]) -> list[str]:
+        bad = [v for v in value if not _FACTORY.match(v)]
+        if bad:
+            raise ValueError(f"entries must look like 'package.module:function', got {bad}")
+        return value
+
     @field_validator("hidden")
     @classmethod
     def _positive_widths(cls, value: list[int]) -> list[int]:
