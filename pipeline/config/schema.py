@@ -264,8 +264,18 @@ class PSConfig(_Section):
     # Parameter-server shards: balanced contiguous slices of the parameters, each with its own
     # listener and threads (all on the driver); workers talk to every shard concurrently.
     shards: int = Field(1, ge=1, le=64)
-    # Address the PS binds to; null means spark.driver.host (never 0.0.0.0 unless set explicitly).
+    # Address the PS binds to; null means spark.driver.host (Spark Connect: this client's own address
+    # toward the server). Never a wildcard: no process of a run listens on every interface (issue 19).
     host: Optional[str] = Field(None, min_length=1)
+
+    @field_validator("host")
+    @classmethod
+    def _not_a_wildcard(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value.strip("[] ") in ("0.0.0.0", "::", "*"):
+            raise ValueError(f"{value!r} would listen on every interface; give the address of this machine that "
+                             "the executors reach (or leave it unset for spark.driver.host)")
+        return value
+
     # The default deadline of every wait whose own timeouts.* key is unset (a step's gradients from all
     # workers, a pull, a connect, a stage link).
     timeout_s: float = Field(120.0, gt=0)

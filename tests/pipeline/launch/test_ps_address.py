@@ -33,3 +33,11 @@ def test_a_remote_server_driver_reached_only_over_loopback_fails_at_once_naming_
     with pytest.raises(ConfigError, match=r"ps.host: the Spark Connect server's driver is at '192.0.2.10' .*not "
                                           r"on this client.*set ps.host to an address of this machine"):
         connect_client_host(ELSEWHERE, "127.0.0.1")
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "[::]"])
+def test_ps_host_may_not_be_a_wildcard(wildcard):
+    from pipeline.config import build
+
+    with pytest.raises(ConfigError, match=r"ps.host: .*would listen on every interface"):
+        build({"ps": {"host": wildcard}})
