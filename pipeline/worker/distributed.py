@@ -1,7 +1,7 @@
 """The allreduce backend's process group: joined at a rendezvous address, always destroyed on the way out.
 
-No Spark here: launch/task.py finds the address (rank 0's host and a free port, shared with the barrier's
-allGather) and passes it in as plain values.
+No Spark here: launch/task/rendezvous.py starts the group's authenticated store (worker/store.py) in the
+group's first task, shares its address through the barrier's allGather and passes it in as plain values.
 """
 from __future__ import annotations
 

@@ -102,3 +102,52 @@ def test_a_gloo_group_meets_through_the_store_and_listens_on_no_wildcard(store_s
         assert listening([os.getpid()]), "expected the store's and gloo's listeners"
         assert wildcard_listeners([os.getpid()]) == []
     assert not dist.is_initialized()
+
+
+def test_garbage_before_the_handshake_is_dropped_and_real_ranks_still_get_in(store_server):
+    import os as _os
+
+    server, secret = store_server
+    for blob in (b"", b"\x00" * 48, _os.urandom(48), _os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n"):
+        with socket.create_connection(server.address, timeout=5) as raw:
+            raw.recv(48)
+            raw.sendall(blob)
+            raw.shutdown(socket.SHUT_WR)
+            raw.settimeout(12)
+            try:
+                while raw.recv(4096):  # the server answers with at most a refusal, then hangs up
+                    pass
+            except ConnectionResetError:  # hung up with our garbage unread
+                pass
+    store = make_auth_store(*server.address, secret, rank=0, generation=3, timeout_s=5)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    store.close()
+
+
+def test_store_frames_are_size_checked_before_anything_is_allocated():
+    from hypothesis import given, settings, strategies as st
+
+    from pipeline.worker.store import MAX_FRAME_BYTES, _FRAME, _recv
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.binary(max_size=64))
+    def fuzz(data):
+        a, b = socket.socketpair()
+        try:
+            a.sendall(data)
+            a.close()
+            try:
+                op, args = _recv(b)
+            except (ConnectionError, ValueError):
+                return
+            assert sum(len(x) for x in args) <= len(data)
+        finally:
+            b.close()
+
+    fuzz()
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(_FRAME.pack(1, MAX_FRAME_BYTES + 1))
+        with pytest.raises(ConnectionError, match="exceeds"):
+            _recv(b)
