@@ -19,7 +19,7 @@ import json, sys
 sys.path.insert(0, {repo!r})
 from pipeline.config import build
 from pipeline.errors import ConfigError
-from pipeline.launch.placement.ps_address import ps_host
+from pipeline.launch.placement.driver_hosted import ps_host  # where the PS placement takes it
 from pipeline.session import get_or_create_spark
 cfg = build({{"name": "offhost", "spark": {{"master": {url!r}}}}})
 spark = get_or_create_spark(cfg.spark)
