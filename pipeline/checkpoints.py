@@ -4,11 +4,20 @@ One file per checkpoint, `ckpt-<step>.pt`, written to a temporary name and renam
 reader never sees a half-written one; the newest `keep` are kept. The directory is a local path or any
 fsspec URL (s3://, gs://, abfss://, dbfs:/...). Files are torch.save'd dicts of tensors and plain
 values and are loaded with weights_only=True: a checkpoint can never run code.
+
+Each checkpoint has a digest file next to it, `ckpt-<step>.pt.sha256`, committed before the checkpoint
+itself and checked before a byte is unpickled: HMAC-SHA256 of the file under `$SHARDLINE_ARTIFACT_KEY`
+when set (tampering needs the key), else SHA-256 (catches corruption and partial copies). What model a
+resumed run builds is the config's, never the checkpoint's (launch/train.py checks the recorded factory
+against model.allowed_factories before comparing the rest).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import logging
+import os
 import re
 import threading
 import time
@@ -22,6 +31,17 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 _NAME = re.compile(r"ckpt-(\d{12})\.pt$")
+DIGEST_SUFFIX = ".sha256"
+# The same variable as pipeline.models.trust (checkpoints import nothing of the pipeline but errors).
+KEY_ENV = "SHARDLINE_ARTIFACT_KEY"
+
+
+def file_digest(data: bytes) -> str:
+    """``hmac-sha256:<hex>`` under $SHARDLINE_ARTIFACT_KEY when set, else ``sha256:<hex>``."""
+    key = os.environ.get(KEY_ENV)
+    if key:
+        return "hmac-sha256:" + hmac.new(key.encode("utf-8"), data, hashlib.sha256).hexdigest()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -63,8 +83,14 @@ class CheckpointStore:
             self._fs.rm(archive, recursive=True)
         self._fs.makedirs(archive, exist_ok=True)
         for info in found:
-            self._fs.mv(info.path, f"{archive}/{info.path.rsplit('/', 1)[-1]}")
+            self._move(info.path, archive)
         return len(found)
+
+    def _move(self, path: str, folder: str) -> None:
+        """A checkpoint and its digest into ``folder``."""
+        self._fs.mv(path, f"{folder}/{path.rsplit('/', 1)[-1]}")
+        if self._fs.exists(path + DIGEST_SUFFIX):
+            self._fs.mv(path + DIGEST_SUFFIX, f"{folder}/{path.rsplit('/', 1)[-1]}{DIGEST_SUFFIX}")
 
     def set_aside_after(self, step: int, folder: str = "after_best") -> int:
         """Move checkpoints past ``step`` into ``folder/`` (early stopping / the divergence guard keep an
@@ -73,7 +99,7 @@ class CheckpointStore:
         if later:
             self._fs.makedirs(f"{self._root}/{folder}", exist_ok=True)
         for info in later:
-            self._fs.mv(info.path, f"{self._root}/{folder}/{info.path.rsplit('/', 1)[-1]}")
+            self._move(info.path, f"{self._root}/{folder}")
         return len(later)
 
     def latest(self) -> Optional[CheckpointInfo]:
@@ -90,11 +116,18 @@ class CheckpointStore:
         self._fs.makedirs(self._root, exist_ok=True)
         final = f"{self._root}/ckpt-{step:012d}.pt"
         temporary = f"{self._root}/.ckpt-{step:012d}.pt.{uuid.uuid4().hex[:8]}.tmp"
+        data = buffer.getvalue()
+        # The digest is committed first: a checkpoint visible under its final name always has one.
+        with self._fs.open(temporary + DIGEST_SUFFIX, "w") as out:
+            out.write(file_digest(data))
+        self._fs.mv(temporary + DIGEST_SUFFIX, final + DIGEST_SUFFIX)
         with self._fs.open(temporary, "wb") as out:
-            out.write(buffer.getvalue())
+            out.write(data)
         self._fs.mv(temporary, final)
         for old in self.list()[:-self.keep]:
             self._fs.rm(old.path)
+            if self._fs.exists(old.path + DIGEST_SUFFIX):
+                self._fs.rm(old.path + DIGEST_SUFFIX)
         log.debug("checkpoint at step %d: %s (%d bytes)", step, final, buffer.tell())
         return CheckpointInfo(final, step)
 
@@ -102,7 +135,9 @@ class CheckpointStore:
         import torch
 
         with self._fs.open(info.path, "rb") as f:
-            data = io.BytesIO(f.read())
+            raw = f.read()
+        self._verify(info, raw)
+        data = io.BytesIO(raw)
         try:
             state = torch.load(data, weights_only=True)
         except Exception as exc:
@@ -112,6 +147,23 @@ class CheckpointStore:
             raise ConfigError(f"checkpoint {info.path} has format {state.get('format')}, this shardline reads "
                               f"{FORMAT}; start without --resume")
         return state
+
+    def _verify(self, info: CheckpointInfo, raw: bytes) -> None:
+        """Refuse a checkpoint whose digest file is missing or does not match, before unpickling it."""
+        try:
+            with self._fs.open(info.path + DIGEST_SUFFIX, "r") as f:
+                recorded = f.read().strip()
+        except FileNotFoundError:
+            raise ConfigError(f"checkpoint {info.path} has no digest file ({info.path}{DIGEST_SUFFIX}: written "
+                              "before digests, or removed); refusing to load it: delete it to resume from the one "
+                              "before, or start without --resume") from None
+        if recorded.startswith("hmac-sha256:") and not os.environ.get(KEY_ENV):
+            raise ConfigError(f"checkpoint {info.path} is signed with a key (hmac-sha256) but ${KEY_ENV} is not set; "
+                              "set it to the key the run was started with")
+        if not hmac.compare_digest(file_digest(raw), recorded):
+            raise ConfigError(f"checkpoint {info.path} does not match its digest ({info.path}{DIGEST_SUFFIX}): "
+                              f"corrupt, tampered with, or written under another ${KEY_ENV}; refusing to load it: "
+                              "delete it to resume from the one before, or start without --resume")
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,12 @@ def load_scoring_model(cfg: PipelineConfig, model_uri: str) -> ScoringModel:
             raise ShardlineError(f"{model_uri} (run {version.run_id}) lacks the artifacts shardline scores with "
                                  f"({MODEL_ARTIFACT}, {MANIFEST_ARTIFACT}): {exc}; was it trained by shardline?") \
                 from None
-        state = torch.load(model_path, weights_only=True)
+        from pipeline.models.trust import allowed_factories, open_model
+
+        # Before anything is built: the artifact may name only factories this config allows, and its state
+        # must match the digest written with it.
+        state = open_model(torch.load(model_path, weights_only=True), allowed_factories(cfg.model),
+                           f"{model_uri} (run {version.run_id}) {MODEL_ARTIFACT}")
         manifest = _manifest_without_files(Path(manifest_path).parent)
         vocabularies = {}
         for feature in manifest.feature_set:

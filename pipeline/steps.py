@@ -74,7 +74,9 @@ def _save_model(cfg: PipelineConfig, result, run_id: str) -> Path:
     folder = model_dir(cfg)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / "model.pt.tmp"
-    torch.save({"spec": result.spec.to_dict(), "parameters": result.parameters}, tmp)
+    from pipeline.models.trust import seal_model
+
+    torch.save(seal_model(result.spec.to_dict(), result.parameters), tmp)
     os.replace(tmp, folder / "model.pt")
     (folder / "last_run.json").write_text(json.dumps({"run_id": run_id}))
     return folder / "model.pt"
@@ -94,7 +96,9 @@ def load_saved_model(cfg: PipelineConfig):
     path = folder / "model.pt"
     if not path.exists():
         raise ShardlineError(f"no trained model at {path}; run `shardline train` (or `shardline run`) first")
-    state = torch.load(path, weights_only=True)
+    from pipeline.models.trust import allowed_factories, open_model
+
+    state = open_model(torch.load(path, weights_only=True), allowed_factories(cfg.model), str(path))
     run_id = json.loads((folder / "last_run.json").read_text())["run_id"] if (folder / "last_run.json").exists() else None
     return ModelSpec.from_dict(state["spec"]), state["parameters"], run_id
 
@@ -272,7 +276,10 @@ def champion_model(spark, cfg: PipelineConfig):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = download(uri, champion.run_id, f"{MODEL_ARTIFACT_DIR}/model.pt", tmp)
-        state = torch.load(path, weights_only=True)
+        from pipeline.models.trust import allowed_factories, open_model
+
+        state = open_model(torch.load(path, weights_only=True), allowed_factories(cfg.model),
+                           f"the champion {registered_name(cfg)} (run {champion.run_id}) {MODEL_ARTIFACT_DIR}/model.pt")
     return ModelSpec.from_dict(state["spec"]), state["parameters"], champion
 
 

@@ -159,6 +159,18 @@ class ModelConfig(_Section, LossFields):
     # num_features is the classic form: it gets the numeric width and a tensor.
     factory: Optional[str] = None
     factory_kwargs: dict[str, Any] = Field(default_factory=dict)  # keyword arguments passed to model.factory
+    # Factories an artifact read back (a checkpoint for --resume, a model for `shardline score`, evaluate or
+    # promotion) may name besides model.factory; any other is refused, never imported.
+    allowed_factories: list[str] = Field(default_factory=list)
+
+    @field_validator("allowed_factories")
+    @classmethod
+    def _allowed_format(cls, value: list[str]) -> list[str]:
+        bad = [v for v in value if not _FACTORY.match(v)]
+        if bad:
+            raise ValueError(f"entries must look like 'package.module:function', got {bad}")
+        return value
+
     @field_validator("hidden")
     @classmethod
     def _positive_widths(cls, value: list[int]) -> list[int]:
@@ -260,8 +272,18 @@ class PSConfig(_Section):
     # Parameter-server shards: balanced contiguous slices of the parameters, each with its own
     # listener and threads (all on the driver); workers talk to every shard concurrently.
     shards: int = Field(1, ge=1, le=64)
-    # Address the PS binds to; null means spark.driver.host (never 0.0.0.0 unless set explicitly).
+    # Address the PS binds to; null means spark.driver.host (Spark Connect: this client's own address
+    # toward the server). Never a wildcard: no process of a run listens on every interface (issue 19).
     host: Optional[str] = Field(None, min_length=1)
+
+    @field_validator("host")
+    @classmethod
+    def _not_a_wildcard(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value.strip("[] ") in ("0.0.0.0", "::", "*"):
+            raise ValueError(f"{value!r} would listen on every interface; give the address of this machine that "
+                             "the executors reach (or leave it unset for spark.driver.host)")
+        return value
+
     # The default deadline of every wait whose own timeouts.* key is unset (a step's gradients from all
     # workers, a pull, a connect, a stage link).
     timeout_s: float = Field(120.0, gt=0)

@@ -156,6 +156,9 @@ def _resume_state(cfg: PipelineConfig, store, manifest: Manifest, spec: ModelSpe
         raise ConfigError(f"--resume: no checkpoint in {store.directory} (train.checkpoint_dir); "
                           "start without --resume")
     resumed = store.load(latest)
+    from pipeline.models.trust import allowed_factories, check_factory
+
+    check_factory(resumed.get("model") or {}, allowed_factories(cfg.model), f"--resume: checkpoint {latest.path}")
     check_compatible(resumed, latest.path, fingerprint=manifest.fingerprint, model=spec.to_dict(),
                      world_size=cfg.parallelism.data, mode=cfg.ps.mode, steps_per_epoch=steps)
     saved_stages = len(resumed["ps"].get("stages", [None]))

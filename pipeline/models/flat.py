@@ -14,14 +14,26 @@ def flat_parameters(model):
 
 
 def flat_gradients(model, out=None):
-    """All gradients in parameter order into one contiguous fp32 vector (zeros where a grad is None)."""
+    """All gradients in parameter order into one contiguous fp32 vector (zeros where a grad is None).
+
+    Gradients on an accelerator are packed there into one flat vector and copied to ``out`` (host memory
+    for the PS) in a single transfer: one small device-to-host copy per tensor would pay a sync and a
+    launch each."""
     import torch
 
-    total = num_parameters(model)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
     if out is None:
         out = torch.empty(total, dtype=torch.float32)
+    devices = {p.grad.device for p in params if p.grad is not None}
+    if any(d != out.device for d in devices):
+        device = next(iter(d for d in devices if d != out.device))
+        flat = torch.cat([p.grad.reshape(-1).to(torch.float32) if p.grad is not None
+                          else torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in params])
+        out.copy_(flat)
+        return out
     offset = 0
-    for p in model.parameters():
+    for p in params:
         n = p.numel()
         if p.grad is None:
             out[offset:offset + n].zero_()

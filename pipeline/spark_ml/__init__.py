@@ -52,6 +52,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, DataError
 from pipeline.models import model_from_flat
+from pipeline.models.trust import check_factory, state_digest, verify_state
 from pipeline.spark_ml.inputs import LABEL, ROW_ID, feature_name, input_copy, transform_input
 
 __all__ = ["ShardlineEstimator", "ShardlineModel", "feature_name", "LABEL", "ROW_ID"]
@@ -368,14 +369,30 @@ class ShardlineModelWriter(MLWriter):
                 "task": state["task"], "labels": state["labels"], "metrics": state["metrics"],
                 "history": state["history"], "num_parameters": int(state["parameters"].size),
                 "parameters_sha256": hashlib.sha256(raw).hexdigest(), "features": state["features"],
+                "state_digest": state_digest(state["spec"], raw),
                 "vocabularies": state["vocabularies"]}
         (folder / "state.json").write_text(json.dumps(info, indent=1))
 
 
 class ShardlineModelReader(MLReader):
+    """Loads a saved ShardlineModel. A model built by a ``model.factory`` loads only when that factory is
+    allowed: :meth:`allowFactories`, or the comma-separated ``$SHARDLINE_ALLOWED_FACTORIES`` (the saved
+    state is data: it must not choose which code runs)."""
+
     def __init__(self, cls) -> None:
         super().__init__()
         self.cls = cls
+        self._allowed: set[str] = set()
+
+    def allowFactories(self, *factories: str) -> "ShardlineModelReader":
+        self._allowed.update(factories)
+        return self
+
+    def _allowed_factories(self) -> set[str]:
+        import os
+
+        listed = os.environ.get("SHARDLINE_ALLOWED_FACTORIES", "")
+        return self._allowed | {f.strip() for f in listed.split(",") if f.strip()}
 
     def load(self, path: str) -> ShardlineModel:
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
@@ -392,6 +409,9 @@ class ShardlineModelReader(MLReader):
             raise DataError(f"{folder}: state format {info.get('format')} is not 1 or {STATE_FORMAT}")
         if hashlib.sha256(raw).hexdigest() != info["parameters_sha256"] or len(raw) != 4 * info["num_parameters"]:
             raise DataError(f"{folder / 'parameters.f32'} does not match state.json (corrupt or replaced)")
+        check_factory(info["spec"], self._allowed_factories(), f"saved ShardlineModel {path}")
+        if "state_digest" in info:  # older saves carry parameters_sha256 only (checked above)
+            verify_state(info["spec"], raw, info["state_digest"], f"saved ShardlineModel {path}")
         parameters = np.frombuffer(raw, dtype="<f4").astype(np.float32)
         model._set_state(spec=info["spec"], parameters=parameters, means=info["means"], stds=info["stds"],
                          task=info["task"], labels=info["labels"], metrics=info["metrics"],

@@ -1,14 +1,14 @@
 """The allreduce backend's process group: joined at a rendezvous address, always destroyed on the way out.
 
-No Spark here: launch/task.py finds the address (rank 0's host and a free port, shared with the barrier's
-allGather) and passes it in as plain values.
+No Spark here: launch/task/rendezvous.py starts the group's authenticated store (worker/store.py) in the
+group's first task, shares its address through the barrier's allGather and passes it in as plain values.
 """
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 from pipeline.wire.deadline import CONNECT_KEY, Timeout
 
@@ -18,11 +18,18 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Rendezvous:
     """Where a process group meets, and how long joining may take (``timeouts.connect_s``; a bare number
-    is taken as that key following ``ps.timeout_s``)."""
+    is taken as that key following ``ps.timeout_s``).
+
+    ``host:port`` is the group's authenticated store (``pipeline.worker.store.StoreServer``, served by the
+    group's first rank); ``secret`` and ``generation`` are what a rank proves to it. ``local_host`` is this
+    rank's own task address: gloo's and NCCL's sockets are bound to its interface, never a wildcard."""
 
     host: str
     port: int
     timeout: Union[Timeout, float]
+    secret: bytes = b""
+    generation: int = 0
+    local_host: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", Timeout.of(self.timeout, CONNECT_KEY))
@@ -40,28 +47,55 @@ def _fresh_group_names() -> None:
         world.group_count = 0
 
 
+def _torch_device(device: str):
+    import torch
+
+    return torch.device(device)
+
+
 @contextmanager
 def process_group(rendezvous: Rendezvous, rank: int, world_size: int, device: str) -> Iterator[str]:
-    """torch.distributed for this rank (gloo on CPU, nccl on CUDA); yields the backend name."""
+    """torch.distributed for this rank (gloo on CPU, nccl on CUDA) over the group's authenticated store;
+    yields the backend name."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from pipeline.worker.collective_env import bound_interfaces, release
+    from pipeline.worker.device import bind_device
+    from pipeline.worker.store import make_auth_store
+
+    if not rendezvous.secret:
+        raise ValueError("the allreduce rendezvous needs the job secret: an unauthenticated store would let "
+                         "anyone who reaches it join the group")
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    address = f"tcp://{rendezvous.host}:{rendezvous.port}"
+    address = f"{rendezvous.host}:{rendezvous.port}"
     _fresh_group_names()
     timeout = rendezvous.timeout
+    # NCCL creates its communicator (and a CUDA context) on the current device: it must be this rank's.
+    bind_device(device)
+    store = None
     try:
-        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout.seconds))
+        store = make_auth_store(rendezvous.host, rendezvous.port, rendezvous.secret, rank=rank,
+                                generation=rendezvous.generation, timeout_s=timeout.seconds)
+        # NCCL: connect now (device_id), while the interface variable is set, not at the first collective.
+        eager = {"device_id": _torch_device(device)} if backend == "nccl" else {}
+        with bound_interfaces(rendezvous.local_host, backend):
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout.seconds), **eager)
     except Exception as exc:
+        if store is not None:
+            store.close()
         raise RuntimeError(f"rank {rank}: the allreduce rendezvous at {address} ({backend}, {world_size} ranks) "
                            f"failed within {timeout.seconds:g}s: {type(exc).__name__}: {exc}; check that "
                            f"executors can reach each other, or {timeout.hint}") from exc
     log.debug("rank %d joined the %s process group at %s", rank, backend, address)
+    failed = True
     try:
         yield backend
+        failed = False
     finally:
         # Also on failure: closing this rank's sockets makes peers blocked in a collective fail now
-        # instead of waiting for the collective timeout.
-        dist.destroy_process_group()
+        # instead of waiting for the collective timeout (NCCL: the communicator is aborted first).
+        release(backend, failed)
+        store.close()

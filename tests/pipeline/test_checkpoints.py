@@ -16,7 +16,7 @@ def test_an_earlier_runs_checkpoints_are_archived_so_this_runs_are_kept_and_foun
 
     assert store.archive_previous() == 2
     assert store.list() == [] and store.latest() is None
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "previous").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "previous").iterdir() if p.suffix == ".pt") == [
         "ckpt-000000000900.pt", "ckpt-000000001000.pt"]
     # A new run's low steps are no longer pruned away by the old run's higher ones.
     _save(store, 100)
@@ -26,7 +26,7 @@ def test_an_earlier_runs_checkpoints_are_archived_so_this_runs_are_kept_and_foun
 
     # The next run archives this one, replacing the older archive (at most one earlier run is kept).
     assert store.archive_previous() == 2
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "previous").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "previous").iterdir() if p.suffix == ".pt") == [
         "ckpt-000000000100.pt", "ckpt-000000000200.pt"]
     assert store.archive_previous() == 0  # nothing to move
 
@@ -42,3 +42,55 @@ def test_checkpoints_past_a_kept_epoch_are_set_aside_not_pruned_or_lost(tmp_path
     assert store.load(store.latest())["ps"]["params"][0] == 15
     aside = CheckpointStore(str(tmp_path / "ckpt" / "after_best"), keep=10)
     assert [c.step for c in aside.list()] == [20, 30]
+
+
+def test_every_checkpoint_has_a_digest_that_travels_with_it(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"), keep=2)
+    for step in (1, 2, 3):
+        _save(store, step)
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["ckpt-000000000002.pt", "ckpt-000000000002.pt.sha256", "ckpt-000000000003.pt",
+                     "ckpt-000000000003.pt.sha256"]  # pruned with their checkpoint
+    assert (tmp_path / "ckpt" / "ckpt-000000000003.pt.sha256").read_text().startswith("sha256:")
+    store.archive_previous()
+    previous = CheckpointStore(str(tmp_path / "ckpt" / "previous"))
+    assert previous.load(previous.latest())["step"] == 3  # its digest was archived with it
+
+
+def test_a_checkpoint_with_flipped_bytes_or_no_digest_is_refused_before_it_is_unpickled(tmp_path):
+    import pytest
+
+    from pipeline.errors import ConfigError
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    info = _save(store, 7)
+    path = tmp_path / "ckpt" / "ckpt-000000000007.pt"
+    data = bytearray(path.read_bytes())
+    # A flip inside a stored tensor's bytes: torch.load alone would load it silently.
+    at = data.find(torch.full((3,), 7.0).numpy().tobytes())
+    assert at > 0
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"does not match its digest .*refusing to load it"):
+        store.load(info)
+    (tmp_path / "ckpt" / "ckpt-000000000007.pt.sha256").unlink()
+    with pytest.raises(ConfigError, match=r"has no digest file .*refusing to load it"):
+        store.load(info)
+
+
+def test_with_a_key_the_digest_is_an_hmac_and_another_key_is_refused(tmp_path, monkeypatch):
+    import pytest
+
+    from pipeline.errors import ConfigError
+
+    monkeypatch.setenv("SHARDLINE_ARTIFACT_KEY", "key-one")
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    info = _save(store, 5)
+    assert (tmp_path / "ckpt" / "ckpt-000000000005.pt.sha256").read_text().startswith("hmac-sha256:")
+    assert store.load(info)["step"] == 5
+    monkeypatch.setenv("SHARDLINE_ARTIFACT_KEY", "key-two")
+    with pytest.raises(ConfigError, match="does not match its digest"):
+        store.load(info)
+    monkeypatch.delenv("SHARDLINE_ARTIFACT_KEY")
+    with pytest.raises(ConfigError, match=r"signed with a key .*SHARDLINE_ARTIFACT_KEY is not set"):
+        store.load(info)

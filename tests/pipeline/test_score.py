@@ -14,6 +14,7 @@ from pipeline import steps
 from pipeline.config import load
 from pipeline.errors import DataError, ShardlineError
 from pipeline.score import score
+from pipeline.models.trust import seal_model
 
 NAME = "digits-score"
 ROWS = 120
@@ -235,7 +236,7 @@ def typed_run(tmp_path_factory):
     spec = ModelSpec(kind="mlp", num_features=features.numeric_width, num_outputs=2, task="classification",
                      hidden=(8,), features=tuple(features.to_list()))
     model = build_model(spec).eval()
-    torch.save({"spec": spec.to_dict(), "parameters": flat_parameters(model)}, root / "model.pt")
+    torch.save(seal_model(spec.to_dict(), flat_parameters(model)), root / "model.pt")
     uri = f"sqlite:///{root}/mlflow.db"
     with start_run(uri, "typed-score") as run:
         run.log_manifest(manifest)
@@ -301,3 +302,27 @@ def test_a_feature_column_of_the_wrong_type_is_named(spark, typed_run, tmp_path)
         with pytest.raises(DataError, match=rf"feature column '{column}' .* has type \w+; the \w+ feature "
                                             rf"'{column}' needs {needs}"):
             score(spark, _typed_cfg(root, uri), f"runs:/{run_id}", str(path), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("tamper", ["factory", "flipped"])
+def test_a_tampered_model_artifact_is_refused_before_any_code_is_imported(spark, typed_run, tmp_path, tamper):
+    import torch
+
+    from pipeline.models.trust import ArtifactTrustError
+    from pipeline.tracking import start_run
+
+    root, uri, run_id, _, manifest, source = typed_run
+    state = torch.load(root / "model.pt", weights_only=True)
+    if tamper == "factory":
+        state["spec"] = {**state["spec"], "kind": "factory", "factory": "os:system"}
+    else:
+        state["parameters"][1] += 1.0
+    path = tmp_path / "model.pt"
+    torch.save(state, path)
+    with start_run(uri, "typed-score-tampered") as run:
+        run.log_manifest(manifest)
+        run.log_file(path, "shardline")
+    match = "names model.factory 'os:system'" if tamper == "factory" else "does not match its sha256 digest"
+    with pytest.raises(ArtifactTrustError, match=match):
+        score(spark, _typed_cfg(root, uri), f"runs:/{run.run_id}", str(source), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

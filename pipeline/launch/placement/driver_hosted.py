@@ -9,6 +9,7 @@ from contextlib import ExitStack
 from pipeline.errors import PSError, WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.attempts import (RetryStart, interrupt, new_tag, raise_for_failed_rows, run_barrier_job,
                                       spark_error_summary)
+from pipeline.launch.placement.ps_address import ps_host
 from pipeline.launch.placement.run import Outcome, TrainingRun
 from pipeline.launch.plans import deadlines, failed_attempt_grace, ps_settings, worker_plans
 from pipeline.launch.retry import StateAfterFailure, Verdict
@@ -18,17 +19,6 @@ log = logging.getLogger(__name__)
 RANK_FAILURE_WAIT_S = 2.0
 # After a failed attempt nothing pushes: a consistent state is there at once, or not at all.
 STATE_CHECK_S = 0.5
-
-
-def ps_host(spark, cfg) -> str:
-    if cfg.ps.host:
-        return cfg.ps.host
-    try:
-        return spark.conf.get("spark.driver.host")
-    except Exception:
-        import socket
-
-        return socket.gethostbyname(socket.gethostname())
 
 
 def stage_ranges(run: TrainingRun) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from pipeline.launch.task.rows import failure_row, to_batches
+from pipeline.worker.device import bind_device, choose_device
 from pipeline.worker.plan import WorkerPlan
 
 if TYPE_CHECKING:
@@ -78,15 +79,20 @@ def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Opt
     # into the deadlines that start there (a peer's PS wait, the connect watchdog).
     from pipeline.worker import loop as _preloaded  # noqa: F401
 
-    host_ps = listener = None
+    host_ps = listener = found = None
     try:
-        offer_error = None
-        if plan.rank == 0 and wiring.hosted is not None:
+        offer_error, device = None, "cpu"
+        try:  # before the rendezvous: the group's ranks must agree on cuda vs cpu before joining
+            device = choose_device(gpu)
+        except Exception as exc:  # noqa: BLE001 - every rank must still reach the allGather
+            offer_error = f"rank {plan.rank}: {type(exc).__name__}: {exc}"
+        if plan.rank == 0 and wiring.hosted is not None and offer_error is None:
             host_ps, offer_error = _start_hosted_ps(wiring, own_host(context, 0))
         if plan.stage is not None and plan.stage.stage > 0 and offer_error is None:
             listener, offer_error = stage_listener(context, plan, wiring.secret, tls=wiring.tls)
         found, error = rendezvous(context, plan, ps=host_ps.server.address if host_ps is not None else None,
-                                  link=listener.address if listener is not None else None, offer_error=offer_error)
+                                  link=listener.address if listener is not None else None, offer_error=offer_error,
+                                  secret=wiring.secret, device=device)
         if error is not None:
             return failure_row(plan.rank, error, "")
         if host_ps is not None:
@@ -97,11 +103,14 @@ def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Opt
             from pipeline.worker.stage_loop import StageWiring
 
             stage_wiring = StageWiring(listener, found.next_link)  # closed by the stage loop, and below
-        row = run_rank(plan, address, wiring, gpu=gpu, rendezvous=found.allreduce, stage_wiring=stage_wiring)
+        row = run_rank(plan, address, wiring, gpu=gpu, rendezvous=found.allreduce, stage_wiring=stage_wiring,
+                       device=device)
         if host_ps is not None:
             row = host_ps.finish(row)
         return row
     finally:
+        if found is not None and found.store is not None:
+            found.store.close()
         if listener is not None:
             listener.close()
         if host_ps is not None:
@@ -126,21 +135,8 @@ def assigned_gpu(resources) -> Optional[str]:
     return str(addresses[0]) if addresses else None
 
 
-def choose_device(gpu: Optional[str]) -> str:
-    """cuda:<address> for the task's GPU when CUDA works here, else cpu (logged: a GPU was asked for)."""
-    if gpu is None:
-        return "cpu"
-    import torch
-
-    if torch.cuda.is_available() and gpu.isdigit() and int(gpu) < torch.cuda.device_count():
-        return f"cuda:{gpu}"
-    log.warning("Spark assigned GPU %s to this task but CUDA cannot use it here (torch.cuda.is_available()=%s); "
-                "training on cpu", gpu, torch.cuda.is_available())
-    return "cpu"
-
-
 def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskWiring, *, gpu: Optional[str] = None,
-             rendezvous=None, stage_wiring=None) -> dict:
+             rendezvous=None, stage_wiring=None, device: Optional[str] = None) -> dict:
     """Run the worker for one rank; on failure return the error and this rank's log tail as the row."""
     from pipeline.errors import is_retryable
     from pipeline.worker import run
@@ -154,7 +150,9 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     try:
-        device = choose_device(gpu)
+        device = choose_device(gpu) if device is None else device
+        # Before the loader pins host memory or the model moves: their CUDA context goes on this device.
+        bind_device(device)
         result = run(plan, address[0], int(address[1]), wiring.secret, device=device, rendezvous=rendezvous,
                      log_tail=lambda: "\n".join(handler.lines), wiring=stage_wiring, tls=wiring.pinned)
         return {"rank": plan.rank, "ok": True, "error": None, "log_tail": None, "retryable": None,

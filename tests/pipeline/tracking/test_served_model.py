@@ -27,6 +27,7 @@ import torch
 
 from pipeline.config.feature_spec import FeatureSet, FeatureSpec
 from pipeline.tracking import start_run
+from pipeline.models.trust import seal_model
 
 LABELS = ["cat", "dog", "eel"]
 CITIES = ["paris", "rome", "oslo", "lima"]
@@ -128,7 +129,7 @@ def served(tmp_path_factory):
     manifest = _shard_set(root / "shards")
     spec, model = _network()
     rows = _raw_rows()
-    torch.save({"spec": spec.to_dict(), "parameters": flat_parameters(model)}, root / "model.pt")
+    torch.save(seal_model(spec.to_dict(), flat_parameters(model)), root / "model.pt")
     started = time.perf_counter()
     with start_run(uri, "served-model") as run:
         run.log_manifest(manifest)

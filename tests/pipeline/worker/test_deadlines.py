@@ -74,10 +74,18 @@ def test_a_bare_number_is_timeouts_connect_s_following_ps_timeout_s_and_a_timeou
 
 
 def test_a_rendezvous_no_peer_joins_fails_naming_timeouts_connect_s():
-    port = _free_port()
-    with pytest.raises(RuntimeError) as caught:
-        with process_group(Rendezvous("127.0.0.1", port, Timeout(1.0, CONNECT_KEY)), 0, 2, "cpu"):
-            pass
+    from pipeline.worker.store import StoreServer
+
+    secret = new_secret()
+    server = StoreServer("127.0.0.1", secret, 1)
+    port = server.address[1]
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            with process_group(Rendezvous("127.0.0.1", port, Timeout(1.0, CONNECT_KEY), secret=secret, generation=1),
+                               0, 2, "cpu"):
+                pass
+    finally:
+        server.close()
     text = str(caught.value)
     assert "rank 0" in text and f"127.0.0.1:{port}" in text and "2 ranks" in text
     assert "raise timeouts.connect_s" in text

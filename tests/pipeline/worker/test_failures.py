@@ -18,6 +18,7 @@ from pipeline.ps.staged import StagedParameterServer
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.distributed import Rendezvous
+from pipeline.worker.store import StoreServer
 from pipeline.worker.guards import keeps_its_type
 from pipeline.worker.plan import Deadlines, LoaderPlan, StagePlan
 from pipeline.worker.stage_loop import StageLinkError, StageWiring, model_stages
@@ -100,9 +101,14 @@ def _train_allreduce(tmp_path, factory):
     with ParameterServer(flat_parameters(build_model(spec)), _settings(), world_size=1, secret=secret,
                          host="127.0.0.1") as server:
         plan = _plan(tmp_path, spec, 0, 1, backend="allreduce")
-        with pytest.raises(Exception) as caught:
-            run(plan, *server.address, secret,
-                rendezvous=Rendezvous("127.0.0.1", _free_port(), plan.deadlines.connect))
+        store = StoreServer("127.0.0.1", secret, plan.generation)
+        try:
+            with pytest.raises(Exception) as caught:
+                run(plan, *server.address, secret,
+                    rendezvous=Rendezvous(*store.address, plan.deadlines.connect, secret=secret,
+                                          generation=plan.generation))
+        finally:
+            store.close()
         return caught.value
 
 
