@@ -102,7 +102,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
             loader.num_rows, plan.steps_per_epoch, plan.epochs, info.num_params, info.mode,
             plan.generation, step, first_epoch, skip)
     for epoch in range(first_epoch, plan.epochs):
-        epoch_started = time.perf_counter()
+        epoch_started, epoch_cpu = time.perf_counter(), time.process_time()
         loss_sum, epoch_samples = 0.0, 0
         timer.start()
         for x, y in loader.epoch(epoch, start_step=skip if epoch == first_epoch else 0):
@@ -135,11 +135,13 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
             logs.tick()
             timer.lap("metrics_logs")
         seconds = time.perf_counter() - epoch_started
+        # This process's CPU seconds (every thread: loader, gloo) in the epoch: steadier than wall on a shared box.
+        cpu_s = time.process_time() - epoch_cpu
         last_loss = loss_sum / max(epoch_samples, 1)
         samples += epoch_samples
         epoch_steps = plan.steps_per_epoch - (skip if epoch == first_epoch else 0)
         metrics = {"epoch": epoch, "step": step, "train_loss": last_loss, "samples": epoch_samples,
-                   "seconds": seconds, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
+                   "seconds": seconds, "cpu_s": cpu_s, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
                    **timer.take(seconds, epoch_steps)}
         if validation is not None:
             metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
