@@ -1,0 +1,88 @@
+"""The allreduce backend's DDP wrapper (pipeline.worker.ddp) in a real one-rank gloo group: the options it
+sets, and that the flat loop through it still trains exactly like plain SGD (gradients as bucket views,
+set to None before each backward)."""
+import socket
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.models import ModelSpec, build_model, flat_parameters, load_flat_parameters, loss_fn
+from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
+from pipeline.wire.deadline import STEP_KEY, Timeout
+from pipeline.worker import WorkerPlan, run
+from pipeline.worker.distributed import Rendezvous, process_group
+from pipeline.worker.plan import Deadlines, LoaderPlan
+from pipeline.worker.skeleton import make_train_loader
+
+OPTIMIZER = OptimizerSpec(lr=0.1, momentum=0.9)
+SPEC = ModelSpec(kind="mlp", num_features=4, num_outputs=2, task="classification", hidden=(8,))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plan(tmp_path, epochs=2, steps=4):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    features = pa.ListArray.from_arrays(pa.array(np.arange(0, 64 * 4 + 1, 4, dtype=np.int32)),
+                                        pa.array(x.reshape(-1)))
+    path = tmp_path / "s0.parquet"
+    pq.write_table(pa.table({"features": features, "label": y}), path, row_group_size=16)
+    return WorkerPlan(rank=0, world_size=1, generation=1, train_files=(str(path),), validation_files=(),
+                      model=SPEC, features_field="features", label_field="label", epochs=epochs,
+                      steps_per_epoch=steps, seed=0, loader=LoaderPlan(prefetch=2), optimizer=OPTIMIZER,
+                      backend="allreduce", deadlines=Deadlines.all(10))
+
+
+def test_the_wrapper_keeps_gradients_as_views_of_the_buckets():
+    from pipeline.worker.ddp import wrap
+
+    with process_group(Rendezvous("127.0.0.1", _free_port(), 10), 0, 1, "cpu"):
+        model = build_model(SPEC)
+        ddp = wrap(model, "cpu")
+        assert ddp.gradient_as_bucket_view is True
+        for _ in range(2):  # the second step's gradients too, after .grad = None as the loop does
+            for p in model.parameters():
+                p.grad = None
+            loss_fn("classification")(ddp(torch.randn(8, 4)), torch.randint(0, 2, (8,))).backward()
+            views = [p.grad for p in model.parameters()]
+            assert all(g is not None for g in views)
+            # views of one bucket: the gradients' storages are shared, no per-parameter copies
+            assert len({g.untyped_storage().data_ptr() for g in views}) < len(views)
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_allreduce_loop_trains_exactly_like_plain_sgd_on_the_same_batches(tmp_path):
+    plan = _plan(tmp_path)
+    torch.manual_seed(0)
+    initial = flat_parameters(build_model(SPEC))
+    secret = new_secret()
+    reports = []
+    settings = PSSettings(optimizer=OPTIMIZER, step_timeout=Timeout.of(10, STEP_KEY))
+    with ParameterServer(initial, settings, world_size=1, secret=secret, host="127.0.0.1",
+                         on_metrics=lambda r, m: reports.append(m)) as server:
+        result = run(plan, *server.address, secret,
+                     rendezvous=Rendezvous("127.0.0.1", _free_port(), plan.deadlines.connect))
+    assert result.steps == 8 and server.stats["pushes_applied"] == 0
+    assert [m["epoch"] for m in reports] == [0, 1] and all(m["cpu_s"] > 0 for m in reports)
+    trained = torch.from_numpy(np.frombuffer(result.parameters, dtype=np.float32).copy())
+
+    model = build_model(SPEC)
+    load_flat_parameters(model, initial)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss = loss_fn("classification")
+    loader = make_train_loader(plan)  # the same seeded batches the rank drew
+    for epoch in range(2):
+        for x, y in loader.epoch(epoch):
+            opt.zero_grad(set_to_none=True)
+            loss(model(x), y).backward()
+            opt.step()
+    assert torch.allclose(trained, flat_parameters(model), atol=1e-6)
+    assert not torch.equal(trained, initial)
