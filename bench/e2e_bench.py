@@ -24,9 +24,12 @@ Spark Python workers, as any earlier job of a session would have (--cold skips i
 wall s = the training call alone (train(), TorchDistributor.run(), or loader + loop for the single
 process); train samples/s = train rows x epochs / wall s; test acc = `pipeline.evaluate.evaluate` on
 the test split of the final parameters (the same Spark evaluation for every row, not timed). Prints a
-table, the shardline / TorchDistributor ratios of samples/s and wall time, where each launcher's time
-went (training loop vs launch overhead; TorchDistributor's rank 0 timeline from /proc process start
-times), and the total runtime.
+table, the shardline / TorchDistributor ratios of samples/s and wall time, each training loop against
+TorchDistributor's (wall: the epochs' own clocks vs its loop's; CPU seconds of the loop over the ranks,
+TorchDistributor's as rank 0's x 2; the ps rows' CPU leaves out the driver's parameter server), where
+each launcher's time went (training loop vs launch overhead; TorchDistributor's rank 0 timeline from
+/proc process start times), and the total runtime. The data, warm-up and one-process pieces are
+bench/_common.py's, shared with bench/scaling_bench.py.
 """
 from __future__ import annotations
 

@@ -86,3 +86,21 @@ def test_the_allreduce_loop_trains_exactly_like_plain_sgd_on_the_same_batches(tm
             opt.step()
     assert torch.allclose(trained, flat_parameters(model), atol=1e-6)
     assert not torch.equal(trained, initial)
+
+
+def test_a_refused_setting_fails_before_the_rank_joins_its_group(tmp_path):
+    """The exchange (precision, local optimizer) is built before the rendezvous: a rank that cannot train
+    says why at once, instead of first waiting in a group its peers may never complete."""
+    import dataclasses
+
+    from pipeline.errors import ConfigError
+
+    plan = dataclasses.replace(_plan(tmp_path), world_size=2, precision="fp16")  # fp16 needs CUDA
+    secret = new_secret()
+    settings = PSSettings(optimizer=OPTIMIZER, step_timeout=Timeout.of(10, STEP_KEY))
+    with ParameterServer(flat_parameters(build_model(SPEC)), settings, world_size=2, secret=secret,
+                         host="127.0.0.1") as server:
+        with pytest.raises(ConfigError, match="train.precision=fp16"):
+            # no peer ever joins this group: joining first would end in the rendezvous timeout instead
+            run(plan, *server.address, secret, rendezvous=Rendezvous("127.0.0.1", _free_port(), 30))
+    assert not torch.distributed.is_initialized()
