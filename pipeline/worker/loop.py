@@ -101,10 +101,14 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
     # A retried attempt (new generation) starts at the server's step for this rank; the epoch and the
     # batch within it follow from it, so no sample is skipped or trained on twice.
     first_epoch, skip = divmod(step, plan.steps_per_epoch)
-    log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, ps.mode=%s, "
-            "generation %d, starting at step %d (epoch %d, batch %d)", plan.rank, plan.world_size,
-            loader.num_rows, plan.steps_per_epoch, plan.epochs, info.num_params, info.mode,
-            plan.generation, step, first_epoch, skip)
+    import torch
+
+    # torch threads: Spark's OMP_NUM_THREADS=spark.task.cpus sets them; more threads than cores per task
+    # oversubscribes the executor (a common cause of slow steps), so the line says how many this rank runs.
+    log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, backend %s, ps.mode=%s, "
+            "generation %d, starting at step %d (epoch %d, batch %d), torch threads %d", plan.rank,
+            plan.world_size, loader.num_rows, plan.steps_per_epoch, plan.epochs, info.num_params, plan.backend,
+            info.mode, plan.generation, step, first_epoch, skip, torch.get_num_threads())
     for epoch in range(first_epoch, plan.epochs):
         epoch_started, epoch_cpu = time.perf_counter(), time.process_time()
         loss_sum, epoch_samples = 0.0, 0
