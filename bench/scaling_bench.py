@@ -65,7 +65,7 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
             base = {"model": model, "n": n, "one": one}
             rows.append({**base, "what": "limit (independent)", "samples": limit.samples, "wall_rate": "-",
                          "loop_rate": limit.rate,
-                         "limit": limit.rate, "cpu_per_k": 1000 * limit.cpu_s / max(limit.samples, 1)})
+                         "limit": limit.rate, "cpu_per_k": 1e6 * limit.cpu_s / max(limit.samples, 1)})
             lines(f"{model} x{n} limit: {limit.samples} samples, span {limit.span_s:.2f}s, per process loop "
                   f"{[round(s, 2) for s in limit.loop_s]}s, {limit.cpu_s:.1f} CPU s")
             for backend in args.backends:
@@ -80,7 +80,7 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
                     continue
                 rows.append({**base, "what": label, "samples": run.samples, "wall_rate": run.samples / run.wall_s,
                              "loop_rate": run.samples / max(run.loop_s, 1e-9), "limit": limit.rate,
-                             "cpu_per_k": 1000 * run.cpu_s / max(run.samples, 1) if run.cpu_s else "-"})
+                             "cpu_per_k": 1e6 * run.cpu_s / max(run.samples, 1) if run.cpu_s else "-"})
                 lines(f"{model} x{n} {label}: {run.steps} steps, {run.samples} samples; train() {run.wall_s:.1f}s, "
                       f"slowest run() {run.run_s:.1f}s, loop {run.loop_s:.1f}s, {run.cpu_s:.1f} CPU s")
     return rows

@@ -1,6 +1,6 @@
 """The allreduce backend's DDP wrapper (pipeline.worker.ddp) in a real one-rank gloo group: the options it
-sets, and that the flat loop through it still trains exactly like plain SGD (gradients as bucket views,
-set to None before each backward)."""
+sets keep gradients as bucket views and step like plain SGD, a group of one trains unwrapped, and the flat
+allreduce loop trains exactly like plain SGD on the same batches. Two ranks: tests/pipeline/launch/test_allreduce.py."""
 import socket
 
 import numpy as np
@@ -41,22 +41,41 @@ def _plan(tmp_path, epochs=2, steps=4):
                       backend="allreduce", deadlines=Deadlines.all(10))
 
 
-def test_the_wrapper_keeps_gradients_as_views_of_the_buckets():
+def test_the_ddp_options_keep_gradients_as_views_of_the_buckets():
+    """Views of the buckets, set to None before each backward as the loop does, and SGD on them steps
+    exactly like plain torch (a group of one: the average is the rank's own gradient)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from pipeline.worker.ddp import DDP_OPTIONS
+
+    torch.manual_seed(0)
+    model, plain = build_model(SPEC), build_model(SPEC)
+    plain.load_state_dict(model.state_dict())
+    loss = loss_fn("classification")
+    with process_group(Rendezvous("127.0.0.1", _free_port(), 10), 0, 1, "cpu"):
+        ddp = DistributedDataParallel(model, **DDP_OPTIONS)  # what wrap() builds for a group of 2+ ranks
+        assert ddp.gradient_as_bucket_view is True
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, plain)]
+        for _ in range(3):
+            x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+            for m, forward, opt in ((model, ddp, opts[0]), (plain, plain, opts[1])):
+                for p in m.parameters():
+                    p.grad = None
+                loss(forward(x), y).backward()
+                opt.step()
+            views = [p.grad for p in model.parameters()]
+            # views of one bucket: the gradients' storages are shared, no per-parameter copies
+            assert len({g.untyped_storage().data_ptr() for g in views}) < len(views)
+    assert not torch.distributed.is_initialized()
+    assert torch.allclose(flat_parameters(model), flat_parameters(plain), atol=1e-6)
+
+
+def test_a_group_of_one_rank_trains_the_model_unwrapped():
     from pipeline.worker.ddp import wrap
 
     with process_group(Rendezvous("127.0.0.1", _free_port(), 10), 0, 1, "cpu"):
         model = build_model(SPEC)
-        ddp = wrap(model, "cpu")
-        assert ddp.gradient_as_bucket_view is True
-        for _ in range(2):  # the second step's gradients too, after .grad = None as the loop does
-            for p in model.parameters():
-                p.grad = None
-            loss_fn("classification")(ddp(torch.randn(8, 4)), torch.randint(0, 2, (8,))).backward()
-            views = [p.grad for p in model.parameters()]
-            assert all(g is not None for g in views)
-            # views of one bucket: the gradients' storages are shared, no per-parameter copies
-            assert len({g.untyped_storage().data_ptr() for g in views}) < len(views)
-    assert not torch.distributed.is_initialized()
+        assert wrap(model, "cpu") is model
 
 
 def test_the_allreduce_loop_trains_exactly_like_plain_sgd_on_the_same_batches(tmp_path):
