@@ -24,9 +24,12 @@ Spark Python workers, as any earlier job of a session would have (--cold skips i
 wall s = the training call alone (train(), TorchDistributor.run(), or loader + loop for the single
 process); train samples/s = train rows x epochs / wall s; test acc = `pipeline.evaluate.evaluate` on
 the test split of the final parameters (the same Spark evaluation for every row, not timed). Prints a
-table, the shardline / TorchDistributor ratios of samples/s and wall time, where each launcher's time
-went (training loop vs launch overhead; TorchDistributor's rank 0 timeline from /proc process start
-times), and the total runtime.
+table, the shardline / TorchDistributor ratios of samples/s and wall time, each training loop against
+TorchDistributor's (wall: the epochs' own clocks vs its loop's; CPU seconds of the loop over the ranks,
+TorchDistributor's as rank 0's x 2; the ps rows' CPU leaves out the driver's parameter server), where
+each launcher's time went (training loop vs launch overhead; TorchDistributor's rank 0 timeline from
+/proc process start times), and the total runtime. The data, warm-up and one-process pieces are
+bench/_common.py's, shared with bench/scaling_bench.py.
 """
 from __future__ import annotations
 
@@ -37,8 +40,9 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (CONF, REPO, base_overrides, fmt, loader_opts, prepare_data, shardline_run,  # noqa: E402
+                     spark_session, train_one_process, trainer_args, warm_up)
 
 
 # -- TorchDistributor's training function (pickled by value; runs under torchrun in a Spark task) --------
@@ -94,91 +98,39 @@ def td_train(files_by_rank: list[list[str]], row_groups_by_rank: list[list[list[
         loader = StreamingLoader(files_by_rank[rank], steps_per_epoch=steps_per_epoch, seed=seed, rank=rank,
                                  features_field=features_field, label_field=label_field,
                                  num_features=num_features, row_group_rows=row_groups_by_rank[rank], **loader_opts)
-        loop_started = time.time()
+        loop_started, loop_cpu = time.time(), time.process_time()
         samples = 0
         for epoch in range(epochs):
             for x, y in loader.epoch(epoch):
                 optimizer.zero_grad(set_to_none=True)
                 loss(ddp(x), y).backward()
                 optimizer.step()
-                samples += len(x)
-        finished = time.time()
+                samples += len(y)  # not len(x): features may be a structure of several tensors
+        finished, cpu = time.time(), time.process_time() - loop_cpu
         if rank != 0:
             return None
         return {"parameters": flat_parameters(model).detach().numpy().astype("float32").tobytes(),
-                "samples": samples, "threads": torch.get_num_threads(), "pid": os.getpid(),
+                "samples": samples, "threads": torch.get_num_threads(), "pid": os.getpid(), "cpu": cpu,
                 "t": {**started, "entered": entered, "imported": imported, "initialized": initialized,
                       "loop_started": loop_started, "finished": finished}}
     finally:
         dist.destroy_process_group()
 
 
-WARM_IMPORTS = ("torch", "torch.distributed", "pipeline.data", "pipeline.models", "pipeline.ps",
-                "pipeline.checkpoints", "pipeline.launch.task.body", "pipeline.worker.loop")
-
-
-def _worker_threads(_batches):
-    """The Spark Python worker's thread settings, without importing torch."""
-    import pyarrow as pa
-
-    for _ in _batches:  # read the input to its end, or Spark does not reuse this worker
-        pass
-    yield pa.RecordBatch.from_pylist([{"threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
-                                       "omp": os.environ.get("OMP_NUM_THREADS", "unset"), "pid": os.getpid()}])
-
-
-def _worker_env(_batches):
-    """Warm-up task: import torch and shardline's worker modules in a Spark Python worker (once per
-    session, as any earlier job would have) and report the worker's thread settings."""
-    import importlib
-
-    import pyarrow as pa
-    import torch
-
-    for name in WARM_IMPORTS:
-        importlib.import_module(name)
-    for _ in _batches:  # read the input to its end, or Spark does not reuse this worker
-        pass
-
-    yield pa.RecordBatch.from_pylist([{"threads": torch.get_num_threads(),
-                                       "omp": os.environ.get("OMP_NUM_THREADS", "unset"), "pid": os.getpid()}])
-
-
 def single_process(manifest, spec, cfg, steps: int, threads: int) -> tuple:
-    """All train rows in this process, batch = the global batch, the same number of steps per epoch."""
+    """All train rows in this process, batch = the global batch, the same number of steps per epoch:
+    (flat parameters, samples, loop seconds, loop CPU seconds)."""
     import torch
+
+    from pipeline.models import flat_parameters
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _single_process(manifest, spec, cfg, steps)
+        model, samples, loop, cpu = train_one_process(**trainer_args(manifest, spec, cfg, steps, None))
+        return flat_parameters(model).detach(), samples, loop, cpu
     finally:
         torch.set_num_threads(previous)
-
-
-def _single_process(manifest, spec, cfg, steps: int) -> tuple:
-    import torch
-
-    from pipeline.data import StreamingLoader
-    from pipeline.models import build_model, flat_parameters, loss_fn
-
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    model = build_model(spec)
-    optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-    loss = loss_fn(manifest.task)
-    loader = StreamingLoader(manifest.files("train"), steps_per_epoch=steps, seed=t.seed, rank=0,
-                             features_field=manifest.features_field, label_field=manifest.label_field,
-                             num_features=manifest.num_features, row_group_rows=manifest.row_group_rows("train"),
-                             **_loader_opts(cfg))
-    samples = 0
-    for epoch in range(t.epochs):
-        for x, y in loader.epoch(epoch):
-            optimizer.zero_grad(set_to_none=True)
-            loss(model(x), y).backward()
-            optimizer.step()
-            samples += len(x)
-    return flat_parameters(model).detach(), samples
 
 
 def _td_timeline(called: float, t: dict, returned: float) -> str:
@@ -199,16 +151,6 @@ def _td_timeline(called: float, t: dict, returned: float) -> str:
         parts.append(f"{mark - last:.1f}s {label}")
         last = mark
     return "; ".join(parts)
-
-
-def _loader_opts(cfg) -> dict:
-    d = cfg.data
-    return {"shuffle": d.shuffle, "shuffle_buffer_rows": d.shuffle_buffer_rows, "reader_threads": d.reader_threads,
-            "reader": d.reader, "prefetch": cfg.train.prefetch}
-
-
-def _fmt(value, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
 def main() -> int:
@@ -234,42 +176,19 @@ def main() -> int:
     from pipeline.config import load
     from pipeline.config.schema import TrainConfig
     from pipeline.errors import ConfigError
-    from pipeline.etl import run_etl
-    from pipeline.etl.synthetic import generate
     from pipeline.evaluate import evaluate
-    from pipeline.launch import train
     from pipeline.models import model_spec
-    from pipeline.session import get_or_create_spark
     from pipeline.shards import steps_per_epoch
 
-    base = [f"workdir={args.workdir}", "name=e2ebench", f"data.synthetic.rows={args.rows}",
-            f"data.synthetic.features={args.features}", f"parallelism.data={workers}", "spark.master=local[2]",
-            f"model.hidden={list(args.hidden)}", f"train.batch_size={args.batch_size}", f"train.epochs={args.epochs}",
-            "ps.mode=sync", "tracking.log_model=false"]
-    conf_path = str(REPO / "conf" / "synthetic.yaml")
+    base = base_overrides(args.workdir, "e2ebench", args.rows, args.features, args.hidden, args.batch_size,
+                          args.epochs, workers, "local[2]")
+    conf_path = str(CONF)
     cfg = load(conf_path, base)
-    # One task per core, so the 2 barrier tasks (shardline's and TorchDistributor's) fit in local[2].
-    spark_cfg = cfg.spark.model_copy(update={"conf": {**cfg.spark.conf, "spark.task.cpus": "1"}})
-    spark = get_or_create_spark(spark_cfg)
+    spark = spark_session(cfg)  # one task per core: the 2 barrier tasks (shardline's, TorchDistributor's) fit
 
     prep_started = time.perf_counter()
-    generate(spark, cfg.data, cfg.workdir)
-    manifest = run_etl(spark, cfg)
-    # Spark hands tasks the oldest idle Python worker first and the ETL may have left more than 2, so the
-    # warm-up repeats until a job lands only on workers it already warmed.
-    warmed: set[int] = set()
-    for _ in range(8):
-        env = spark.range(0, workers, 1, workers).mapInArrow(
-            _worker_env if not args.cold else _worker_threads, "threads long, omp string, pid long").collect()
-        pids = {r["pid"] for r in env}
-        if args.cold or pids <= warmed:
-            break
-        warmed |= pids
-    if not args.cold:
-        import importlib
-
-        for name in WARM_IMPORTS:  # the driver side of a session that has trained before
-            importlib.import_module(name)
+    manifest = prepare_data(spark, cfg)
+    env, warmed = warm_up(spark, workers, args.cold)
     prep_s = time.perf_counter() - prep_started
     train_rows = manifest.split("train").rows
     steps = steps_per_epoch(manifest, workers, cfg.train.batch_size)
@@ -282,6 +201,7 @@ def main() -> int:
 
     rows: list[dict] = []
     notes: list[str] = []
+    loops: dict[str, tuple[float, float]] = {}  # training loop: (wall s, CPU s over the ranks)
     failed = False
     has_backend = "backend" in TrainConfig.model_fields
 
@@ -298,16 +218,17 @@ def main() -> int:
                          "acc": f"n/a (train.backend={backend} rejected: {str(exc).splitlines()[-1].strip()})"})
             return
         try:
-            started = time.perf_counter()
-            result = train(spark, row_cfg, manifest)
-            wall = time.perf_counter() - started
-            samples = sum(r["samples"] for r in result.ranks)
-            if samples != expected_samples:
-                notes.append(f"{label}: trained {samples} samples, expected {expected_samples}")
-            loop = max(r["seconds"] for r in result.ranks)
-            notes.append(f"{label}: {result.steps} steps; slowest worker run() {loop:.1f}s of {wall:.1f}s wall "
-                         f"(PS/driver setup, barrier stage launch, teardown: {wall - loop:.1f}s); ranks in Python "
+            run = shardline_run(spark, row_cfg, manifest)
+            wall, result = run.wall_s, run.result
+            if run.samples != expected_samples:
+                notes.append(f"{label}: trained {run.samples} samples, expected {expected_samples}")
+            # (bench/compare.py parses this note: keep its wording)
+            notes.append(f"{label}: {run.steps} steps; slowest worker run() {run.run_s:.1f}s of {wall:.1f}s wall "
+                         f"(PS/driver setup, barrier stage launch, teardown: {wall - run.run_s:.1f}s); ranks in Python "
                          f"workers {[r['process'] for r in result.ranks]}")
+            notes.append(f"{label}: training loop {run.loop_s:.1f}s (the epochs' own clocks), {run.cpu_s:.1f} CPU s "
+                         f"over the ranks")
+            loops[label] = (run.loop_s, run.cpu_s)
             rows.append({"backend": label, "wall": wall, "rate": expected_samples / wall,
                          "acc": accuracy(result.parameters)})
         except Exception as exc:
@@ -327,7 +248,7 @@ def main() -> int:
         td_args = ([manifest.files("train", r) for r in range(workers)],
                    [manifest.row_group_rows("train", r) for r in range(workers)], spec.to_dict(), manifest.task,
                    manifest.num_features, manifest.features_field, manifest.label_field, steps, t.epochs, t.seed,
-                   t.lr, t.momentum, t.weight_decay, _loader_opts(cfg))
+                   t.lr, t.momentum, t.weight_decay, loader_opts(cfg))
         started = time.perf_counter()
         called = time.time()
         out = TorchDistributor(num_processes=workers, local_mode=False, use_gpu=False).run(td_train, *td_args)
@@ -338,8 +259,11 @@ def main() -> int:
         parameters = torch.from_numpy(np.frombuffer(out["parameters"], dtype=np.float32).copy())
         if out["samples"] * workers < expected_samples - workers:
             notes.append(f"TorchDistributor: rank 0 trained {out['samples']} samples")
-        notes.append(f"TorchDistributor: {wall:.1f}s wall, torch threads per rank {out['threads']}; rank 0's "
-                     f"timeline: {_td_timeline(called, out['t'], returned)}")
+        td_loop = out["t"]["finished"] - out["t"]["loop_started"]
+        loops["TorchDistributor"] = (td_loop, out["cpu"] * workers)
+        notes.append(f"TorchDistributor: {wall:.1f}s wall, training loop {td_loop:.1f}s ({out['cpu'] * workers:.1f} CPU s: "
+                     f"rank 0's x {workers}), torch threads per rank {out['threads']}; rank 0's timeline: "
+                     f"{_td_timeline(called, out['t'], returned)}")
         rows.append({"backend": "TorchDistributor (DDP gloo)", "wall": wall, "rate": expected_samples / wall,
                      "acc": accuracy(parameters)})
     except Exception as exc:
@@ -352,7 +276,7 @@ def main() -> int:
     import torch
 
     started = time.perf_counter()
-    parameters, samples = single_process(manifest, spec, cfg, steps, args.single_threads)
+    parameters, samples, _, _ = single_process(manifest, spec, cfg, steps, args.single_threads)
     wall = time.perf_counter() - started
     rows.append({"backend": "single-process torch", "wall": wall, "rate": expected_samples / wall,
                  "acc": accuracy(parameters)})
@@ -375,8 +299,8 @@ def main() -> int:
     print(f"{'backend':<{width}} | {'wall s':>7} | {'train samples/s':>15} | test acc")
     print(f"{'-' * width}-|-{'-' * 7}-|-{'-' * 15}-|-{'-' * 8}")
     for r in rows:
-        print(f"{r['backend']:<{width}} | {_fmt(r['wall'], '7.1f'):>7} | {_fmt(r['rate'], '15,.0f'):>15} | "
-              f"{_fmt(r['acc'], '.4f')}")
+        print(f"{r['backend']:<{width}} | {fmt(r['wall'], '7.1f'):>7} | {fmt(r['rate'], '15,.0f'):>15} | "
+              f"{fmt(r['acc'], '.4f')}")
     print()
     by_name = {r["backend"]: r for r in rows}
     td = by_name["TorchDistributor (DDP gloo)"]
@@ -387,6 +311,11 @@ def main() -> int:
                   f"wall time {r['wall'] / td['wall']:.2f}x")
         else:
             print(f"{label} / TorchDistributor: n/a")
+    td_loop = loops.get("TorchDistributor")
+    for label in ("shardline ps (sync)", "shardline allreduce"):
+        if label in loops and td_loop:
+            print(f"{label} training loop / TorchDistributor's: wall {loops[label][0] / td_loop[0]:.2f}x, "
+                  f"CPU {loops[label][1] / max(td_loop[1], 1e-9):.2f}x")
     print()
     for note in notes:
         print(f"  {note}")

@@ -56,10 +56,22 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
         if validation is not None:
             validation = (to_device(validation[0], device), validation[1].to(device))
         model = build_model(plan.model).to(device)
+        # Before the rendezvous: a local optimizer's first construction imports torch._dynamo (seconds on a
+        # fresh Python worker), which must not run while the peers wait in DDP's first broadcast.
+        exchange = _exchange(plan, client, info, model, device)
         group = _process_group(rendezvous, plan, faults, device) if plan.backend == "allreduce" else nullcontext()
         with group, failures_reported(client), LogStream(client, plan.rank) as logs:
-            return _train(plan, client, info, model, loss_fn(plan.model), loader, validation, device, faults,
+            return _train(plan, info, exchange, model, loss_fn(plan.model), loader, validation, device, faults,
                           logs, started)
+
+
+def _exchange(plan: WorkerPlan, client, info, model, device: str):
+    from pipeline.worker.exchange import make_exchange
+    from pipeline.worker.precision import Precision
+
+    precision = Precision(plan.precision, device)  # fp16 on a CPU worker fails here, naming the key
+    return make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer, plan.backend,
+                         precision)
 
 
 def _process_group(rendezvous, plan: WorkerPlan, faults: FaultHooks, device: str):
@@ -71,38 +83,34 @@ def _process_group(rendezvous, plan: WorkerPlan, faults: FaultHooks, device: str
     return process_group(rendezvous, plan.rank, plan.world_size, device)
 
 
-def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, device: str, faults: FaultHooks,
+def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, device: str, faults: FaultHooks,
            logs: LogStream, started: float) -> WorkerResult:
-    import torch
-
-    from pipeline.worker.exchange import make_exchange
-    from pipeline.worker.precision import Precision
     from pipeline.worker.timing import step_timer
 
-    precision = Precision(plan.precision, device)  # fp16 on a CPU worker fails here, naming the key
+    precision = exchange.precision
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
     samples = 0
     last_loss = float("nan")
-    exchange = make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer,
-                             plan.backend, precision)
     step = exchange.begin()  # start() + the server's buffers
     timer = exchange.timed(step_timer(plan.profile, device))  # train.profile; a no-op timer when off
     forward = model
     if plan.backend == "allreduce":
-        from torch.nn.parallel import DistributedDataParallel
+        from pipeline.worker.ddp import wrap
 
-        # Bucketed gradient allreduce overlapped with backward; grads land averaged in model's .grad.
-        forward = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda")
-                                          else None)
+        forward = wrap(model, device)
     # A retried attempt (new generation) starts at the server's step for this rank; the epoch and the
     # batch within it follow from it, so no sample is skipped or trained on twice.
     first_epoch, skip = divmod(step, plan.steps_per_epoch)
-    log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, ps.mode=%s, "
-            "generation %d, starting at step %d (epoch %d, batch %d)", plan.rank, plan.world_size,
-            loader.num_rows, plan.steps_per_epoch, plan.epochs, info.num_params, info.mode,
-            plan.generation, step, first_epoch, skip)
+    import torch
+
+    # torch threads: Spark's OMP_NUM_THREADS=spark.task.cpus sets them; more threads than cores per task
+    # oversubscribes the executor (a common cause of slow steps), so the line says how many this rank runs.
+    log.log(level, "rank %d/%d: %d rows, %d steps/epoch x %d epochs, %d parameters, backend %s, ps.mode=%s, "
+            "generation %d, starting at step %d (epoch %d, batch %d), torch threads %d", plan.rank,
+            plan.world_size, loader.num_rows, plan.steps_per_epoch, plan.epochs, info.num_params, plan.backend,
+            info.mode, plan.generation, step, first_epoch, skip, torch.get_num_threads())
     for epoch in range(first_epoch, plan.epochs):
-        epoch_started = time.perf_counter()
+        epoch_started, epoch_cpu = time.perf_counter(), time.process_time()
         loss_sum, epoch_samples = 0.0, 0
         timer.start()
         for x, y in loader.epoch(epoch, start_step=skip if epoch == first_epoch else 0):
@@ -135,11 +143,13 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
             logs.tick()
             timer.lap("metrics_logs")
         seconds = time.perf_counter() - epoch_started
+        # This process's CPU seconds (every thread: loader, gloo) in the epoch: steadier than wall on a shared box.
+        cpu_s = time.process_time() - epoch_cpu
         last_loss = loss_sum / max(epoch_samples, 1)
         samples += epoch_samples
         epoch_steps = plan.steps_per_epoch - (skip if epoch == first_epoch else 0)
         metrics = {"epoch": epoch, "step": step, "train_loss": last_loss, "samples": epoch_samples,
-                   "seconds": seconds, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
+                   "seconds": seconds, "cpu_s": cpu_s, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
                    **timer.take(seconds, epoch_steps)}
         if validation is not None:
             metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))

@@ -2,8 +2,6 @@
 with the default staleness rules reach the bench's accuracy bar; the full 10-seed run is the bench."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,16 +10,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    name = "shardline_async_stability_bench"
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "async_stability_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
+def bench(load_bench):
+    return load_bench("async_stability_bench")
 
 
 @pytest.mark.slow

@@ -2,28 +2,14 @@
 import-marker check. Fed with captured output; no bench runs here, and no timing asserts."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def compare():
-    # bench/ is not a package: load the script by path (registered, as dataclasses need its module).
-    name = "shardline_bench_compare"
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
+def compare(load_bench):
+    return load_bench("compare")
 
 
 # Captured stdout of bench/ps_bench.py (016be04) with small arguments.

@@ -3,26 +3,12 @@ varied (so they compress like images, not like flat colour), landed as raw Parqu
 timing asserts."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    name = "shardline_bench_image"  # bench/ is not a package: load the script by path
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "image_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
+def bench(load_bench):
+    return load_bench("image_bench")
 
 
 @pytest.mark.parametrize("fmt", ["jpeg", "png"])

@@ -121,7 +121,7 @@ class EpochProgress:
             row[f"rank{rank}/samples_per_s"] = r["samples"] / max(r["seconds"], 1e-9)
             if "train_loss" in r:
                 row[f"rank{rank}/train_loss"] = r["train_loss"]
-            for key in ("wait_s", "staleness_mean", "step_time_s", "compute_s", "idle_s", "bubble_fraction",
+            for key in ("wait_s", "staleness_mean", "step_time_s", "cpu_s", "compute_s", "idle_s", "bubble_fraction",
                         "bytes_sent"):
                 if key in r:
                     row[f"rank{rank}/{key}"] = r[key]

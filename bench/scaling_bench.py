@@ -1,0 +1,163 @@
+"""Does adding workers make training faster? samples/s for 1, 2, ... workers against the machine's limit.
+
+    .venv/bin/python bench/scaling_bench.py [--workers 2] [--models small comm] [--backends ps allreduce]
+        [--rows 100000] [--features 64] [--batch-size 256] [--epochs 1] [--workdir /tmp/shardline-scaling-bench]
+
+One SparkSession, local[max(2, most workers)] with spark.task.cpus=1. Not timed: the synthetic data set
+run through the shard ETL once per worker count (N train shards for N workers; the same rows) and a
+warm-up of the Spark Python workers (bench/_common.py, shared with e2e_bench.py). Then, per model
+(small: MLP 64-128-10; comm: 64-1024-1024-10, ~4.4 MB of parameters, communication-bound) and per worker
+count N (always 1, plus --workers; `--workers 4 8` where there are the cores):
+
+  limit            N independent one-process trainers at once, as separate processes (plain torch, the
+                   same loader, model, per-worker batch and steps on shard r of the N-shard set, 1 torch
+                   thread each), set up first and released together: what N cores deliver with no
+                   communication at all. N=1 is "one process".
+  shardline <b>    `pipeline.launch.train` with N barrier tasks (N=1: a one-task barrier run),
+                   train.backend ps (ps.mode=sync) and allreduce.
+
+Columns: train() samples/s = train rows x epochs / the train() call's wall (launch included); loop
+samples/s = samples / the epochs' own clocks (the limit's: first start to last end); then loop samples/s
+÷ the limit at the same N, ÷ one process, scaling efficiency (÷ N x one process), and CPU ms per 1,000
+samples (every worker process's CPU in the loop: steadier than wall on a shared box; the ps rows leave
+out the driver's parameter server).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (CONF, base_overrides, fmt, independent_trainers, prepare_data, shardline_run,  # noqa: E402
+                     spark_session, trainer_args, warm_up)
+
+MODELS = {"small": [128], "comm": [1024, 1024]}
+BACKENDS = {"ps": ["train.backend=ps", "ps.mode=sync"], "allreduce": ["train.backend=allreduce"]}
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) and b > 0 else "-"
+
+
+def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict]:
+    """The table's rows: per model, per N, the limit and each backend."""
+    from pipeline.config import load
+    from pipeline.models import model_spec
+    from pipeline.shards import steps_per_epoch
+
+    rows: list[dict] = []
+    for model in args.models:
+        one = None
+        for n in counts:
+            overrides = base_overrides(f"{args.workdir}/w{n}", "scalingbench", args.rows, args.features,
+                                       MODELS[model], args.batch_size, args.epochs, n, args.master)
+            cfg = load(str(CONF), overrides)
+            manifest = manifests[n]
+            steps = steps_per_epoch(manifest, n, cfg.train.batch_size)
+            spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
+                              task=manifest.task)
+            limit = independent_trainers([trainer_args(manifest, spec, cfg, steps, r) for r in range(n)])
+            one = limit.rate if n == 1 else one
+            base = {"model": model, "n": n, "one": one}
+            rows.append({**base, "what": "limit (independent)", "samples": limit.samples, "wall_rate": "-",
+                         "loop_rate": limit.rate,
+                         "limit": limit.rate, "cpu_per_k": 1e6 * limit.cpu_s / max(limit.samples, 1)})
+            lines(f"{model} x{n} limit: {limit.samples} samples, span {limit.span_s:.2f}s, per process loop "
+                  f"{[round(s, 2) for s in limit.loop_s]}s, {limit.cpu_s:.1f} CPU s")
+            for backend in args.backends:
+                label = f"shardline {backend}"
+                try:
+                    run = shardline_run(spark, load(str(CONF), overrides + BACKENDS[backend]), manifest)
+                except Exception as exc:  # one failed row must not lose the others
+                    traceback.print_exc()
+                    rows.append({**base, "what": label, "samples": 0, "wall_rate": "error", "loop_rate": "error",
+                                 "limit": limit.rate, "cpu_per_k": "-"})
+                    lines(f"{model} x{n} {label}: {type(exc).__name__}: {exc}"[:300])
+                    continue
+                rows.append({**base, "what": label, "samples": run.samples, "wall_rate": run.samples / run.wall_s,
+                             "loop_rate": run.samples / max(run.loop_s, 1e-9), "limit": limit.rate,
+                             "cpu_per_k": 1e6 * run.cpu_s / max(run.samples, 1) if run.cpu_s else "-"})
+                lines(f"{model} x{n} {label}: {run.steps} steps, {run.samples} samples; train() {run.wall_s:.1f}s, "
+                      f"slowest run() {run.run_s:.1f}s, loop {run.loop_s:.1f}s, {run.cpu_s:.1f} CPU s")
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'model':<6} | {'N':>2} | {'':<20} | {'train() samples/s':>17} | {'loop samples/s':>14} | "
+            f"{'÷ limit':>7} | {'÷ 1 process':>11} | {'efficiency':>10} | {'CPU ms/1k samples':>17}")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        per_one = r["loop_rate"] / r["one"] if isinstance(r["loop_rate"], float) and r["one"] else None
+        out.append(f"{r['model']:<6} | {r['n']:>2} | {r['what']:<20} | {fmt(r['wall_rate'], ',.0f'):>17} | "
+                   f"{fmt(r['loop_rate'], ',.0f'):>14} | {_ratio(r['loop_rate'], r['limit']):>7} | "
+                   f"{fmt(per_one, '.2f') if per_one else '-':>11} | "
+                   f"{fmt(per_one / r['n'], '.2f') if per_one else '-':>10} | {fmt(r['cpu_per_k'], '.1f'):>17}")
+    return "\n".join(out)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2], help="worker counts besides 1")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=256, help="per worker; global = N x")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--workdir", default="/tmp/shardline-scaling-bench")
+    args = parser.parse_args(argv)
+    if any(n < 1 for n in args.workers):
+        parser.error("--workers: each count must be at least 1")
+    args.counts = sorted({1, *args.workers})
+    args.master = f"local[{max(2, max(args.counts))}]"
+    return args
+
+
+def _cfg(args, n: int, hidden):
+    from pipeline.config import load
+
+    return load(str(CONF), base_overrides(f"{args.workdir}/w{n}", "scalingbench", args.rows, args.features, hidden,
+                                          args.batch_size, args.epochs, n, args.master))
+
+
+def run(spark, args, out=print) -> list[dict]:
+    """Everything after the session: data, warm-up, the measurements, the printed report; the table's rows.
+    ``spark`` needs at least max(args.counts) task slots."""
+    import torch
+
+    started = time.perf_counter()
+    manifests = {n: prepare_data(spark, _cfg(args, n, MODELS["small"])) for n in args.counts}  # same rows, N shards
+    env, _ = warm_up(spark, max(args.counts), cold=False)
+    prep_s = time.perf_counter() - started
+    notes: list[str] = []
+    rows = measure(spark, args, args.counts, manifests, notes.append)
+    out("")
+    out(f"data: {args.rows} rows x {args.features} features, train {manifests[1].split('train').rows} rows; per-worker "
+        f"batch {args.batch_size}, {args.epochs} epoch(s); generate + ETL + warm-up {prep_s:.1f}s, not timed")
+    out(f"host: {os.cpu_count()} cpus, spark {spark.version} {spark.conf.get('spark.master')}, torch "
+        f"{torch.__version__}; Spark Python workers: torch threads {sorted({r['threads'] for r in env})}")
+    out("")
+    out(table(rows))
+    out("")
+    for note in notes:
+        out(f"  {note}")
+    out(f"\nmeasured in {time.perf_counter() - started:.1f}s")
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    spark = spark_session(_cfg(args, 1, MODELS["small"]))
+    try:
+        rows = run(spark, args)
+    finally:
+        spark.stop()
+    return 1 if any(r["loop_rate"] == "error" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
