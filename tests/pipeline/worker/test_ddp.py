@@ -1,7 +1,7 @@
 """The allreduce backend's DDP wrapper (pipeline.worker.ddp) in a real one-rank gloo group: the options it
 sets keep gradients as bucket views and step like plain SGD, a group of one trains unwrapped, and the flat
 allreduce loop trains exactly like plain SGD on the same batches. Two ranks: tests/pipeline/launch/test_allreduce.py."""
-import socket
+import contextlib
 
 import numpy as np
 import pyarrow as pa
@@ -16,15 +16,21 @@ from pipeline.worker import WorkerPlan, run
 from pipeline.worker.distributed import Rendezvous, process_group
 from pipeline.worker.plan import Deadlines, LoaderPlan
 from pipeline.worker.skeleton import make_train_loader
+from pipeline.worker.store import StoreServer
 
 OPTIMIZER = OptimizerSpec(lr=0.1, momentum=0.9)
 SPEC = ModelSpec(kind="mlp", num_features=4, num_outputs=2, task="classification", hidden=(8,))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _rendezvous(timeout, secret=None, generation=1):
+    """A one-rank group's authenticated store (pipeline.worker.store), as rank 0's task serves it."""
+    secret = secret or new_secret()
+    store = StoreServer("127.0.0.1", secret, generation)
+    try:
+        yield Rendezvous(*store.address, timeout, secret=secret, generation=generation)
+    finally:
+        store.close()
 
 
 def _plan(tmp_path, epochs=2, steps=4):
@@ -52,7 +58,7 @@ def test_the_ddp_options_keep_gradients_as_views_of_the_buckets():
     model, plain = build_model(SPEC), build_model(SPEC)
     plain.load_state_dict(model.state_dict())
     loss = loss_fn("classification")
-    with process_group(Rendezvous("127.0.0.1", _free_port(), 10), 0, 1, "cpu"):
+    with _rendezvous(10) as rendezvous, process_group(rendezvous, 0, 1, "cpu"):
         ddp = DistributedDataParallel(model, **DDP_OPTIONS)  # what wrap() builds for a group of 2+ ranks
         assert ddp.gradient_as_bucket_view is True
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, plain)]
@@ -73,7 +79,7 @@ def test_the_ddp_options_keep_gradients_as_views_of_the_buckets():
 def test_a_group_of_one_rank_trains_the_model_unwrapped():
     from pipeline.worker.ddp import wrap
 
-    with process_group(Rendezvous("127.0.0.1", _free_port(), 10), 0, 1, "cpu"):
+    with _rendezvous(10) as rendezvous, process_group(rendezvous, 0, 1, "cpu"):
         model = build_model(SPEC)
         assert wrap(model, "cpu") is model
 
@@ -87,8 +93,8 @@ def test_the_allreduce_loop_trains_exactly_like_plain_sgd_on_the_same_batches(tm
     settings = PSSettings(optimizer=OPTIMIZER, step_timeout=Timeout.of(10, STEP_KEY))
     with ParameterServer(initial, settings, world_size=1, secret=secret, host="127.0.0.1",
                          on_metrics=lambda r, m: reports.append(m)) as server:
-        result = run(plan, *server.address, secret,
-                     rendezvous=Rendezvous("127.0.0.1", _free_port(), plan.deadlines.connect))
+        with _rendezvous(plan.deadlines.connect, secret, plan.generation) as rendezvous:
+            result = run(plan, *server.address, secret, rendezvous=rendezvous)
     assert result.steps == 8 and server.stats["pushes_applied"] == 0
     assert [m["epoch"] for m in reports] == [0, 1] and all(m["cpu_s"] > 0 for m in reports)
     trained = torch.from_numpy(np.frombuffer(result.parameters, dtype=np.float32).copy())
@@ -121,5 +127,6 @@ def test_a_refused_setting_fails_before_the_rank_joins_its_group(tmp_path):
                          host="127.0.0.1") as server:
         with pytest.raises(ConfigError, match="train.precision=fp16"):
             # no peer ever joins this group: joining first would end in the rendezvous timeout instead
-            run(plan, *server.address, secret, rendezvous=Rendezvous("127.0.0.1", _free_port(), 30))
+            with _rendezvous(30, secret, plan.generation) as rendezvous:
+                run(plan, *server.address, secret, rendezvous=rendezvous)
     assert not torch.distributed.is_initialized()
