@@ -19,8 +19,13 @@ class RegisteredVersion:
 
 
 def _client(tracking_uri: str):
+    import mlflow
     from mlflow import MlflowClient
 
+    # The registry's store resolves a `models:/m-<id>` source through MLflow's process-wide tracking URI,
+    # not the client's: in a fresh process (`shardline promote` alone) that would be ./mlruns and the
+    # logged model "not found". start_run sets it the same way.
+    mlflow.set_tracking_uri(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
