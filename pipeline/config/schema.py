@@ -268,6 +268,12 @@ class PSConfig(_Section):
     # async/ssp server SGD momentum; null: train.momentum less the momentum asynchrony implies
     # (tau/(1+tau), tau = parallelism.data-1 in async, min(ps.staleness, parallelism.data-1) in ssp).
     async_momentum: Optional[float] = Field(None, ge=0, lt=1)
+    # Overlap (issue 17): each worker's gradient goes out in buckets of about bucket_mb MB while backward
+    # still runs (per-parameter post-accumulate-grad hooks, DDP's way), each bucket summed, stepped and
+    # answered by its own server shard; off, the whole gradient is pushed after backward. With ps.shards
+    # > 1 the shards are the buckets; with train.clip_grad_norm (one global norm) there is one bucket.
+    overlap: bool = True
+    bucket_mb: float = Field(1.0, gt=0, le=1024)
 
 
 class TimeoutsConfig(_Section):

@@ -77,7 +77,7 @@ class ParameterServer:
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
             raise PSError("the parameter server needs a non-empty initial parameter tensor")
         flat = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        self._ranges = partition(flat.numel(), settings.shards)
+        self._ranges = partition(flat.numel(), settings.shards_for(flat.numel()))  # ps.bucket_mb slices
         self._num_params = flat.numel()
         self._settings = settings
         # The model's buffers live beside shard 0's parameters (pipeline.ps.buffers).

@@ -84,7 +84,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
     samples = 0
     last_loss = float("nan")
     exchange = make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer,
-                             plan.backend, precision)
+                             plan.backend, precision, flat=True, overlap=plan.overlap)
     step = exchange.begin()  # start() + the server's buffers
     timer = exchange.timed(step_timer(plan.profile, device))  # train.profile; a no-op timer when off
     forward = model
@@ -111,8 +111,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
             if device != "cpu":
                 x, y = to_device(x, device), y.to(device, non_blocking=True)
             timer.lap("to_device")
-            for p in model.parameters():
-                p.grad = None
+            exchange.zero_grad()
             try:
                 with precision.autocast():
                     batch_loss = faults.exploding(step, loss(forward(x), y))
@@ -122,6 +121,7 @@ def _train(plan: WorkerPlan, client, info, model, loss, loader, validation, devi
                 raise model_input_error(exc, plan.model, rank=plan.rank, step=step, epoch=epoch,
                                         inputs=batch_inputs(x, y)) from exc
             timer.lap("forward")
+            exchange.before_backward(step)  # ps.overlap: buckets go out as backward fills them
             precision.backward(batch_loss)
             # The one device sync of a step, taken before the exchange: a NaN/Inf loss stops here,
             # before its gradient reaches the server or the replicas step on it.
