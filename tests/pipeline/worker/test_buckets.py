@@ -211,3 +211,22 @@ def test_a_params_buffer_of_the_wrong_size_and_an_async_push_pull_slice_are_refu
                 client.send_slice(0, 0, torch.zeros(130), pull=True, first=True)
             assert client.link_ranges()[0] == (0, 15) and client.link_ranges()[-1][1] == 130
             client.finish()
+
+
+def test_a_nan_loss_with_buckets_is_refused_by_every_slice_and_never_applied(tmp_path, monkeypatch, request):
+    from pipeline.errors import NonFiniteError
+
+    monkeypatch.syspath_prepend(str(request.path.parents[1] / "models"))  # user_models.nan_mlp
+    spec = ModelSpec(kind="factory", num_features=4, num_outputs=2, task="classification",
+                     factory="user_models:nan_mlp")
+    _, plans = _plans(tmp_path, epochs=1)
+    plans = [dataclasses.replace(p, model=spec, validation_files=()) for p in plans]
+    initial = flat_parameters(build_model(spec))
+    secret = new_secret()
+    with ParameterServer(initial, _settings(bucket_bytes=8), world_size=2, secret=secret,
+                         host="127.0.0.1") as server:
+        _, errors = _run_ranks(plans, server, secret)
+        assert server.stats["shards"] == 5
+        assert server.version == 0 and torch.equal(server.parameters(), initial)
+    assert any(isinstance(e, NonFiniteError) for e in errors.values()), errors
+    assert all(isinstance(e, PSError) for e in errors.values()), errors  # NonFiniteError is a PSError
