@@ -67,8 +67,11 @@ class FlatModel:
 
     def intact(self) -> bool:
         """Whether every ``.grad`` is still the view into ``grad`` (so ``grad`` holds this step's gradient)."""
-        return all(p.grad is not None and p.grad.data_ptr() == ptr
-                   for p, ptr in zip(self.parameters, self._pointers))
+        return all(self.intact_at(i) for i in range(len(self.parameters)))
+
+    def intact_at(self, index: int) -> bool:
+        grad = self.parameters[index].grad
+        return grad is not None and grad.data_ptr() == self._pointers[index]
 
     def rebind_grads(self) -> None:
         """Gradients back into views of ``grad`` (after something replaced them), values kept (zeros
@@ -105,6 +108,7 @@ class BucketPusher:
                 self.needed[i] += 1
         self.left = list(self.needed)
         self.sent = [False] * len(self.ranges)
+        self.broken = False
         self.step: int | None = None
         self.early = 0  # slices sent during backward, this epoch (observability)
         self._handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
@@ -114,13 +118,17 @@ class BucketPusher:
         self.step = step
         self.left = list(self.needed)
         self.sent = [False] * len(self.ranges)
+        self.broken = False
 
     def _ready(self, index: int) -> None:
-        if self.step is None:  # a backward outside a step (none today): nothing to send
+        if self.step is None or self.broken:  # a backward outside a step (none today), or a replaced .grad
+            return
+        if not self.flat.intact_at(index):  # this gradient is not in the flat buffer: flush() copies it
+            self.broken = True
             return
         for i in self.touches[index]:
             self.left[i] -= 1
-            if self.left[i] == 0 and self.flat.intact():
+            if self.left[i] == 0:
                 self._send(i)
                 self.early += 1
 
@@ -134,10 +142,7 @@ class BucketPusher:
         """Send every slice not sent yet, then read the round's replies (``finish_round``)."""
         step, self.step = self.step, None
         assert step is not None, "flush() without arm()"
-        if not self.flat.intact():
-            if any(self.sent):  # pragma: no cover - a hook replaced a .grad after its slice went out
-                raise RuntimeError("a gradient was replaced after its bucket was pushed (ps.overlap); "
-                                   "set ps.overlap=false for a model whose hooks replace .grad")
+        if not self.flat.intact():  # a replaced .grad (its slice was held back): into the flat buffer
             self.flat.rebind_grads()
         self.step = step
         for i, done in enumerate(self.sent):

@@ -140,7 +140,8 @@ def test_async_buckets_apply_every_push_and_report_the_staleness_seen():
     _, stats, out = _exchange_run(Consistency("async"), overlap=True, bucket_bytes=BUCKET, steps=8)
     assert all(early > 0 for _, early in out.values())
     assert [s["pushes_applied"] for s in stats["by_shard"]] == [16] * 9
-    assert all(t["staleness_max"] >= 0 for taken, _ in out.values() for t in taken)
+    # Between a rank's pull and its push being applied only the other rank's 8 pushes can land.
+    assert all(0 <= t["staleness_max"] <= 8 for taken, _ in out.values() for t in taken)
 
 
 # -- the flat loop, end to end --------------------------------------------------------------------------
