@@ -69,8 +69,9 @@ def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1):
 
 def bucket_bytes(cfg: PipelineConfig) -> int:
     """ps.overlap: the server's slices are the gradient buckets workers push during backward. Off (0)
-    where a step needs the whole gradient in one place (train.clip_grad_norm's global norm) or the
-    parameters already come in pieces (pipeline stages, explicit ps.shards)."""
+    where a step needs the whole gradient in one place (train.clip_grad_norm's global norm) or with
+    pipeline stages (each stage's server keeps ps.shards); an explicit ps.shards > 1 wins over it
+    (``PSSettings.shards_for``)."""
     if not cfg.ps.overlap or cfg.train.clip_grad_norm is not None or cfg.parallelism.pipeline > 1:
         return 0
     return max(4, int(cfg.ps.bucket_mb * (1 << 20)))
