@@ -119,7 +119,8 @@ def test_sync_buckets_pushed_during_backward_give_the_non_overlapped_parameters(
     assert all(early > 0 for _, early in out.values())  # buckets really left while backward ran
     # The server's work per update is every slice's (train.profile's ps/reduce_ms, ps/optimizer_ms).
     for key in ("time_reduce_s", "time_optimizer_s"):
-        assert stats[key] == pytest.approx(sum(s[key] for s in stats["by_shard"])) > stats["by_shard"][0][key]
+        assert stats[key] == pytest.approx(sum(s[key] for s in stats["by_shard"]))
+        assert stats[key] > stats["by_shard"][0][key]
     # The same slices pushed after backward: the only difference is when each bucket went out.
     same_slices, _, late = _exchange_run(Consistency("sync"), overlap=False, bucket_bytes=BUCKET,
                                          compression=compression)
