@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/step_profile_bench.py [--rows 40000] [--features 64] [--hidden 128]
         [--batch-size 128] [--epochs 2] [--backends ps-sync ps-async ps-average allreduce]
-        [--workdir /tmp/shardline-profile-bench] [--set ps.bucket_mb=2 ...] [--compare ps.overlap=false ...]
+        [--workdir /tmp/shardline-profile-bench] [--set ps.bucket_mb=2 ...] [--compare ps.overlap=true ...]
 
 One local[2] SparkSession (spark.task.cpus=1), 2 workers, synthetic data through the shard ETL once (not
 timed). For each backend, `pipeline.launch.train` with train.profile=true; prints the last epoch's
@@ -63,7 +63,7 @@ def main() -> int:
                         help="instead of the profiling-cost runs: the first backend 3 times as configured and 3 "
                              "times with these overrides, interleaved, profiled; median breakdown of each")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="config overrides for every run, e.g. ps.overlap=false ps.bucket_mb=2")
+                        help="config overrides for every run, e.g. ps.overlap=true ps.bucket_mb=2")
     args = parser.parse_args()
 
     from pipeline.config import load

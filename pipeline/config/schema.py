@@ -272,7 +272,10 @@ class PSConfig(_Section):
     # still runs (per-parameter post-accumulate-grad hooks, DDP's way), each bucket summed, stepped and
     # answered by its own server shard; off, the whole gradient is pushed after backward. With ps.shards
     # > 1 the shards are the buckets; with train.clip_grad_norm (one global norm) there is one bucket.
-    overlap: bool = True
+    # Off by default: it pays where the server has cores of its own; on a box whose cores the workers
+    # already fill (2 workers + the PS on 2 cores) the server's work during backward slows backward more
+    # than the push it hides (bench/step_profile_bench.py --compare ps.overlap=true measures it).
+    overlap: bool = False
     bucket_mb: float = Field(1.0, gt=0, le=1024)
 
 

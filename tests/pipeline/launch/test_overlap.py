@@ -15,7 +15,8 @@ def test_bucketed_sync_training_gives_the_parameters_of_whole_pushes(spark, tmp_
                  "model": {"hidden": [32]}, "ps": {"timeout_s": 60}, "tracking": {"log_model": False}})
     manifest = run_etl(spark, cfg)
     # 64*32+32 + 32*10+10 = 2410 parameters, 9640 bytes: 4 KiB buckets are 3 slices.
-    bucketed = train(spark, cfg.model_copy(update={"ps": cfg.ps.model_copy(update={"bucket_mb": 4 / 1024})}),
+    bucketed = train(spark, cfg.model_copy(update={"ps": cfg.ps.model_copy(update={"overlap": True,
+                                                                                   "bucket_mb": 4 / 1024})}),
                      manifest)
     whole = train(spark, cfg.model_copy(update={"ps": cfg.ps.model_copy(update={"overlap": False})}), manifest)
     assert bucketed.ps_stats["shards"] == 3 and whole.ps_stats["shards"] == 1

@@ -195,10 +195,10 @@ def test_config_turns_buckets_off_where_a_step_needs_the_whole_gradient():
     from pipeline.config import load
     from pipeline.launch.plans import bucket_bytes
 
-    assert bucket_bytes(load("conf/digits.yaml", [])) == 1 << 20
-    assert bucket_bytes(load("conf/digits.yaml", ["ps.bucket_mb=0.5"])) == 1 << 19
-    assert bucket_bytes(load("conf/digits.yaml", ["ps.overlap=false"])) == 0
-    assert bucket_bytes(load("conf/digits.yaml", ["train.clip_grad_norm=1.0"])) == 0
+    assert bucket_bytes(load("conf/digits.yaml", [])) == 0  # ps.overlap is off by default
+    assert bucket_bytes(load("conf/digits.yaml", ["ps.overlap=true"])) == 1 << 20
+    assert bucket_bytes(load("conf/digits.yaml", ["ps.overlap=true", "ps.bucket_mb=0.5"])) == 1 << 19
+    assert bucket_bytes(load("conf/digits.yaml", ["ps.overlap=true", "train.clip_grad_norm=1.0"])) == 0
     with pytest.raises(Exception, match="bucket_mb"):
         load("conf/digits.yaml", ["ps.bucket_mb=0"])
 
@@ -225,7 +225,7 @@ def test_a_nan_loss_with_buckets_is_refused_by_every_slice_and_never_applied(tmp
     spec = ModelSpec(kind="factory", num_features=4, num_outputs=2, task="classification",
                      factory="user_models:nan_mlp")
     _, plans = _plans(tmp_path, epochs=1)
-    plans = [dataclasses.replace(p, model=spec, validation_files=()) for p in plans]
+    plans = [dataclasses.replace(p, model=spec, validation_files=(), overlap=True) for p in plans]
     initial = flat_parameters(build_model(spec))
     secret = new_secret()
     with ParameterServer(initial, _settings(bucket_bytes=8), world_size=2, secret=secret,
