@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/step_profile_bench.py [--rows 40000] [--features 64] [--hidden 128]
         [--batch-size 128] [--epochs 2] [--backends ps-sync ps-async ps-average allreduce]
-        [--workdir /tmp/shardline-profile-bench]
+        [--workdir /tmp/shardline-profile-bench] [--set ps.bucket_mb=2 ...] [--compare ps.overlap=true ...]
 
 One local[2] SparkSession (spark.task.cpus=1), 2 workers, synthetic data through the shard ETL once (not
 timed). For each backend, `pipeline.launch.train` with train.profile=true; prints the last epoch's
@@ -59,6 +59,11 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     parser.add_argument("--workdir", default="/tmp/shardline-profile-bench")
+    parser.add_argument("--compare", nargs="+", default=None, metavar="KEY=VALUE",
+                        help="instead of the profiling-cost runs: the first backend 3 times as configured and 3 "
+                             "times with these overrides, interleaved, profiled; median breakdown of each")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every run, e.g. ps.overlap=true ps.bucket_mb=2")
     args = parser.parse_args()
 
     from pipeline.config import load
@@ -72,7 +77,7 @@ def main() -> int:
     base = [f"workdir={args.workdir}", "name=profilebench", f"data.synthetic.rows={args.rows}",
             f"data.synthetic.features={args.features}", "parallelism.data=2", "spark.master=local[2]",
             f"model.hidden={list(args.hidden)}", f"train.batch_size={args.batch_size}",
-            f"train.epochs={args.epochs}", "tracking.log_model=false"]
+            f"train.epochs={args.epochs}", "tracking.log_model=false", *args.set]
     cfg = load(conf_path, base)
     spark_cfg = cfg.spark.model_copy(update={"conf": {**cfg.spark.conf, "spark.task.cpus": "1"}})
     spark = get_or_create_spark(spark_cfg)
@@ -89,14 +94,18 @@ def main() -> int:
         step = row[f"{PREFIX}step_ms"]
         profiled[name] = _step_time_ms(result)
         print(f"\n== {name}: {result.steps} steps, {wall:.1f} s wall; epoch {row['epoch'] + 1} of {args.epochs}, "
-              f"mean over ranks (slowest rank's step {row[f'{PREFIX}step_ms_max']:.3f} ms)")
+              f"mean over ranks (slowest rank's step {row[f'{PREFIX}step_ms_max']:.3f} ms); "
+              f"server slices (ps.shards or ps.bucket_mb buckets): {result.ps_stats.get('shards', 1)}")
         print(table(row))
         print(f"named parts {parts:.3f} ms = {100 * parts / step:.1f}% of the step "
               f"({'within' if parts >= 0.9 * step else 'NOT within'} 10%)")
         if row.get("ps/updates"):  # the driver's PS: its side of the same epoch, per applied update
-            print(f"server, same epoch: reduce {row['ps/reduce_ms']:.3f} ms, optimizer {row['ps/optimizer_ms']:.3f} ms, "
+            print(f"server, same epoch (reduce, optimizer: summed over slices): reduce {row['ps/reduce_ms']:.3f} ms, "
+                  f"optimizer {row['ps/optimizer_ms']:.3f} ms, "
                   f"slowest-rank wait {row['ps/sync_wait_ms']:.3f} ms per update, {row['ps/updates']:.0f} updates")
     first = args.backends[0]
+    if args.compare:
+        return _compare(args, spark, manifest, conf_path, base + BACKENDS[first], first)
     runs: dict[bool, list[float]] = {False: [], True: [profiled[first]]}
     keys: list[str] = []
     for profile in (False, True, False, True, False):  # interleaved: a loaded box drifts between runs
@@ -110,6 +119,31 @@ def main() -> int:
           f"({100 * (on - off) / max(off, 1e-9):+.1f}%); off runs' time/* keys: {sorted(set(keys)) or 'none'}")
     print(f"timer calls of one step, measured alone: off {_timer_cost_us(False):.2f} us, "
           f"on {_timer_cost_us(True):.2f} us")
+    return 0
+
+
+def _compare(args, spark, manifest, conf_path: str, base: list[str], name: str) -> int:
+    """A/B on one box in one session: as configured vs ``--compare`` overrides, alternating (a shared box
+    drifts between runs), each side's per-phase medians over its runs."""
+    from pipeline.config import load
+    from pipeline.launch import train
+    from pipeline.worker.timing import PHASES, PREFIX
+
+    sides = {"as configured": base + ["train.profile=true"],
+             " ".join(args.compare): base + ["train.profile=true", *args.compare]}
+    rows: dict[str, list[dict]] = {side: [] for side in sides}
+    for _ in range(3):
+        for side, overrides in sides.items():
+            result = train(spark, load(conf_path, overrides), manifest)
+            rows[side].append({**result.history[-1], "slices": result.ps_stats.get("shards", 1)})
+    print(f"\n== {name} A/B, last epoch, median over 3 interleaved runs each (ms per step)")
+    print(f"{'phase':<15}" + "".join(f"{side[:28]:>30}" for side in sides))
+    for phase in (*PHASES, "other", "step"):
+        key = f"{PREFIX}{phase}_ms"
+        print(f"{phase:<15}" + "".join(f"{statistics.median(r[key] for r in rows[side]):>30.3f}" for side in sides))
+    print(f"{'step, each run':<15}" + "".join(f"{str([round(r[PREFIX + 'step_ms'], 1) for r in rows[side]]):>30}"
+                                            for side in sides))
+    print(f"{'server slices':<15}" + "".join(f"{rows[side][0]['slices']:>30}" for side in sides))
     return 0
 
 

@@ -302,6 +302,15 @@ class PSConfig(_Section):
     # certificate whose SHA-256 fingerprint travels with the job secret; workers pin it. The HMAC
     # handshake still runs inside. Off: plain TCP (authenticated, not encrypted).
     tls: bool = False
+    # Overlap (issue 17): each worker's gradient goes out in buckets of about bucket_mb MB while backward
+    # still runs (per-parameter post-accumulate-grad hooks, DDP's way), each bucket summed, stepped and
+    # answered by its own server shard; off, the whole gradient is pushed after backward. With ps.shards
+    # > 1 the shards are the buckets; with train.clip_grad_norm (one global norm) there is one bucket.
+    # Off by default: it pays where the server has cores of its own; on a box whose cores the workers
+    # already fill (2 workers + the PS on 2 cores) the server's work during backward slows backward more
+    # than the push it hides (bench/step_profile_bench.py --compare ps.overlap=true measures it).
+    overlap: bool = False
+    bucket_mb: float = Field(1.0, gt=0, le=1024)  # overlap: the bucket (server slice) size in MB
 
 
 class TimeoutsConfig(_Section):

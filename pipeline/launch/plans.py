@@ -63,7 +63,18 @@ def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1):
     optimizer = server_optimizer(optimizer_spec(cfg, steps_per_epoch, server=True), cfg.ps.mode,
                                  cfg.parallelism.data, cfg.ps.staleness, cfg.ps.async_momentum)
     return PSSettings(optimizer=optimizer, consistency=consistency(cfg), compression=cfg.ps.compression,
-                      topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step)
+                      topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step,
+                      bucket_bytes=bucket_bytes(cfg))
+
+
+def bucket_bytes(cfg: PipelineConfig) -> int:
+    """ps.overlap: the server's slices are the gradient buckets workers push during backward. Off (0)
+    where a step needs the whole gradient in one place (train.clip_grad_norm's global norm) or with
+    pipeline stages (each stage's server keeps ps.shards); an explicit ps.shards > 1 wins over it
+    (``PSSettings.shards_for``)."""
+    if not cfg.ps.overlap or cfg.train.clip_grad_norm is not None or cfg.parallelism.pipeline > 1:
+        return 0
+    return max(4, int(cfg.ps.bucket_mb * (1 << 20)))
 
 
 def fault_plan(cfg: PipelineConfig, attempt: int) -> FaultPlan:
@@ -106,6 +117,6 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
             model=spec, features_field=manifest.features_field, label_field=manifest.label_field,
             epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
             optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits,
-            precision=cfg.train.precision, profile=cfg.train.profile)
+            precision=cfg.train.precision, profile=cfg.train.profile, overlap=cfg.ps.overlap)
 
     return [plan(rank) for rank in range(cfg.parallelism.tasks)]

@@ -28,6 +28,7 @@ import torch
 
 from pipeline.errors import NonFiniteError, PSError, PSTimeoutError, ProtocolError, is_retryable
 from pipeline.ps.buffer_requests import BufferRequests
+from pipeline.ps.bucket_rounds import BucketRounds
 from pipeline.ps.compression import Compressor
 from pipeline.ps.opening import Opening, open_shard
 from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo
@@ -68,7 +69,7 @@ def _pull_wait(timeout: Timeout) -> Timeout:
     return dataclasses.replace(timeout, seconds=timeout.seconds + max(0.5, 0.25 * timeout.seconds))
 
 
-class PSClient(BufferRequests):
+class PSClient(BufferRequests, BucketRounds):
     """Blocking client of one worker rank. Context manager: connects on enter, closes on exit
     (sending a best-effort FAIL if the block raised). Call ``finish()`` when training is done;
     closing without it is recorded by the server as a failure of this rank.

@@ -46,8 +46,10 @@ logger = logging.getLogger(__name__)
 
 # Modes whose version counts whole steps of every rank: shards must agree on it.
 _LOCKSTEP_MODES = ("sync", "average")
+# time_reduce_s/time_optimizer_s: every shard's work on a step (shards run concurrently: their sum is the
+# server's CPU time per update, not its latency); timed_updates and the sync wait stay shard 0's.
 _SUMMED_STATS = ("bytes_received", "bytes_sent", "push_payload_bytes", "rejected_connections",
-                 "protocol_errors", "requests_in_flight", "blocked_pulls")
+                 "protocol_errors", "requests_in_flight", "blocked_pulls", "time_reduce_s", "time_optimizer_s")
 
 
 def partition(num_params: int, shards: int) -> list[tuple[int, int]]:
@@ -81,7 +83,7 @@ class ParameterServer:
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
             raise PSError("the parameter server needs a non-empty initial parameter tensor")
         flat = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        self._ranges = partition(flat.numel(), settings.shards)
+        self._ranges = partition(flat.numel(), settings.shards_for(flat.numel()))  # ps.bucket_mb slices
         self._num_params = flat.numel()
         self._settings = settings
         # The model's buffers live beside shard 0's parameters (pipeline.ps.buffers).

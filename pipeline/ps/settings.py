@@ -17,6 +17,8 @@ from pipeline.wire.deadline import STEP_KEY, Timeout
 
 SHARDS_KEY = "ps.shards"
 TOPK_RATIO_KEY = "ps.topk_ratio"
+BUCKET_KEY = "ps.bucket_mb"
+MAX_BUCKETS = 64  # the most shards a server runs (ps.shards' own cap)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class PSSettings:
     # Every wait of a step (its pushes, a pull, an ssp/average turn, a previous update) and every frame
     # of a request; its error text names the key that raises it.
     step_timeout: Timeout = Timeout.of(60.0, STEP_KEY)
+    # ps.overlap with ps.bucket_mb: with shards == 1, the parameters are cut into slices of about this
+    # many bytes instead (one shard each: the gradient buckets a worker pushes while backward runs,
+    # pipeline.worker.buckets); 0: exactly ``shards`` slices.
+    bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, OptimizerSpec):
@@ -48,8 +54,17 @@ class PSSettings:
             topk_count(1, self.topk_ratio)  # the ratio's own range check
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
             raise PSError(f"{SHARDS_KEY} must be an integer >= 1, got {self.shards!r}")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
+            raise PSError(f"{BUCKET_KEY} must give a bucket size >= 0 bytes, got {self.bucket_bytes!r}")
+
+    def shards_for(self, num_params: int) -> int:
+        """How many slices ``num_params`` fp32 parameters are served in: ``shards``, or with buckets on and
+        ``shards == 1`` one per ``bucket_bytes`` (at most ``MAX_BUCKETS``, never more than parameters)."""
+        if self.shards > 1 or not self.bucket_bytes:
+            return self.shards
+        return max(1, min(MAX_BUCKETS, num_params, -(-4 * num_params // self.bucket_bytes)))
 
     def for_slice(self, num_params: int) -> PSSettings:
         """These settings for a server of ``num_params`` parameters: never more shards than parameters
         (a pipeline stage may be smaller than ``ps.shards``)."""
-        return dataclasses.replace(self, shards=min(self.shards, num_params))
+        return dataclasses.replace(self, shards=min(self.shards, num_params), bucket_bytes=0)

@@ -47,10 +47,19 @@ class ExchangeStats:
 
 class Exchange:
     """Base: ``start()`` loads the server's parameters and returns the first step; ``after_backward``
-    does this mode's PS work for one step and returns the next step number."""
+    does this mode's PS work for one step and returns the next step number.
+
+    ``flat`` (the flat loop): the model's parameters and gradients become views of two flat buffers
+    (``pipeline.worker.buckets.FlatModel``), so pulls land in the model and pushes read autograd's
+    output with no copy; ``overlap`` (``ps.overlap``) also pushes each server slice during backward."""
+
+    # Modes that push the gradient autograd left in .grad (average pushes a parameter delta instead).
+    pushes_grad = False
+    # ...and take the next parameters in the same round trip (PUSH_PULL; async: PUSH, then PULL).
+    pulls = True
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: OptimizerSpec, precision=None) -> None:
+                 optimizer: OptimizerSpec, precision=None, *, flat: bool = False, overlap: bool = False) -> None:
         import torch
 
         from pipeline.worker.precision import Precision
@@ -63,6 +72,17 @@ class Exchange:
         self.stats = ExchangeStats()
         self.grad = torch.empty(info.num_params, dtype=torch.float32)
         self.lap = _no_lap  # train.profile: the step timer's lap (pipeline.worker.timing)
+        self.flat = self.pusher = None
+        if flat and self.pushes_grad:
+            from pipeline.worker.buckets import BucketPusher, FlatModel
+
+            if FlatModel.bindable(model):
+                self.flat = FlatModel(model)
+                client.use_params_buffer(self.flat.params)
+                self.grad = self.flat.grad
+                # One slice: nothing to send earlier than after backward. fp16: the push is unscaled first.
+                if overlap and client.num_shards > 1 and not self.precision.scaled:
+                    self.pusher = BucketPusher(client, self.flat, pull=self.pulls)
 
     def timed(self, timer):
         """Laps of this exchange's parts go to ``timer`` (and the client's send/receive split, when it
@@ -73,15 +93,19 @@ class Exchange:
         return timer
 
     def _pull(self, wanted: int) -> tuple[int, torch.Tensor]:
-        from pipeline.models import load_flat_parameters
-
         started = time.perf_counter()
         version, params = self.client.pull(wanted)
         self.stats.wait_s += time.perf_counter() - started
         self.lap("pull_wait")
-        load_flat_parameters(self.model, params)
-        self.lap("load_params")
+        self._load(params)
         return version, params
+
+    def _load(self, params: torch.Tensor) -> None:
+        from pipeline.models import load_flat_parameters
+
+        if self.flat is None or params.data_ptr() != self.flat.params.data_ptr():
+            load_flat_parameters(self.model, params)
+        self.lap("load_params")
 
     def _push(self, step: int, values: torch.Tensor) -> int:
         started = time.perf_counter()
@@ -92,21 +116,51 @@ class Exchange:
 
     def _push_pull(self, step: int, values: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Push ``step`` and pull version ``step + 1`` in one round trip (sync/ssp/average)."""
-        from pipeline.models import load_flat_parameters
-
         started = time.perf_counter()
         version, params = self.client.push_pull(step, values)  # laps push (the client's hook), pull_wait
         self.stats.wait_s += time.perf_counter() - started
         self.lap("pull_wait")
-        load_flat_parameters(self.model, params)
-        self.lap("load_params")
+        self._load(params)
         return version, params
+
+    def _round(self, step: int):
+        """ps.overlap: the buckets backward has not sent yet, then the round's replies (``push_pull``'s or
+        ``push``'s return value). The buckets sent during backward are timed as backward."""
+        finite = self.precision.unscale_for_push(self.model)  # True: the pusher only runs unscaled
+        assert finite and self.pusher is not None
+        self.lap("grad_flatten")
+        started = time.perf_counter()
+        result = self.pusher.flush()  # laps push (the client's hook) once every bucket is out
+        self.stats.wait_s += time.perf_counter() - started
+        self.lap("pull_wait")
+        if self.pulls:
+            self._load(result[1])
+        return result
+
+    def zero_grad(self) -> None:
+        """Before a step's backward: gradients start from zero (one memset of the flat buffer when bound)."""
+        if self.flat is not None:
+            self.flat.zero_grad()
+        else:
+            for p in self.model.parameters():
+                p.grad = None
+
+    def before_backward(self, step: int) -> None:
+        """ps.overlap: buckets of this step may go out from now on (as backward fills them)."""
+        if self.pusher is not None:
+            self.pusher.arm(step)
 
     def _gradients(self) -> torch.Tensor:
         from pipeline.models.flat import flat_gradients
 
         finite = self.precision.unscale_for_push(self.model)  # fp16: true gradients, or zeros on overflow
-        grad = flat_gradients(self.model, out=self.grad)
+        if self.flat is None:
+            grad = flat_gradients(self.model, out=self.grad)
+        elif not self.flat.intact():  # a hook replaced a .grad: copy, and views again for the next step
+            self.flat.rebind_grads()
+            grad = self.grad
+        else:
+            grad = self.grad  # autograd accumulated into the pushed buffer itself
         self.lap("grad_flatten")
         return grad if finite else grad.zero_()
 
@@ -149,18 +203,22 @@ class Exchange:
 class SyncExchange(Exchange):
     """BSP: push step t, wait for version t+1 (every rank's gradient averaged and applied)."""
 
+    pushes_grad = True
+
     def start(self) -> int:
         version, _ = self._pull(0)
         return version
 
     def after_backward(self, step: int) -> int:
-        version, _ = self._push_pull(step, self._gradients())
+        version, _ = self._round(step) if self.pusher else self._push_pull(step, self._gradients())
         self.stats.record(0)
         return version
 
 
 class SspExchange(Exchange):
     """Bounded staleness: push clock c, then wait (server side) until c+1 is within the bound."""
+
+    pushes_grad = True
 
     def start(self) -> int:
         clock = self.info.clock
@@ -169,7 +227,7 @@ class SspExchange(Exchange):
         return clock
 
     def after_backward(self, step: int) -> int:
-        version, _ = self._push_pull(step, self._gradients())
+        version, _ = self._round(step) if self.pusher else self._push_pull(step, self._gradients())
         self.stats.record(step + 1 - version)
         return step + 1
 
@@ -177,12 +235,15 @@ class SspExchange(Exchange):
 class AsyncExchange(Exchange):
     """Downpour: push (applied at once), then take whatever version is current; never waits for peers."""
 
+    pushes_grad = True
+    pulls = False
+
     def start(self) -> int:
         self.pulled, _ = self._pull(0)
         return self.info.clock
 
     def after_backward(self, step: int) -> int:
-        applied_to = self._push(step, self._gradients())
+        applied_to = self._round(step) if self.pusher else self._push(step, self._gradients())
         self.stats.record(applied_to - self.pulled)
         self.pulled, _ = self._pull(0)
         return step + 1
@@ -193,8 +254,8 @@ class AverageExchange(Exchange):
     ``local - last average`` and continue from the new average. Local optimizer state is kept."""
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: OptimizerSpec, precision=None) -> None:
-        super().__init__(client, info, model, total_steps, optimizer, precision)
+                 optimizer: OptimizerSpec, precision=None, **binding) -> None:
+        super().__init__(client, info, model, total_steps, optimizer, precision, **binding)
         from pipeline.worker.precision import LocalOptimizer
 
         self.optimizer = LocalOptimizer(optimizer, model.parameters(), self.precision)
@@ -231,8 +292,8 @@ class AllreduceExchange(Exchange):
     the replicas stay identical. The PS connection only carries metrics and failures."""
 
     def __init__(self, client: PSClient, info: ServerInfo, model, total_steps: int,
-                 optimizer: OptimizerSpec, precision=None) -> None:
-        super().__init__(client, info, model, total_steps, optimizer, precision)
+                 optimizer: OptimizerSpec, precision=None, **binding) -> None:
+        super().__init__(client, info, model, total_steps, optimizer, precision, **binding)
         from pipeline.worker.precision import LocalOptimizer
 
         # Steps after DDP's allreduce: clipping sees the averaged gradient, the same on every replica.
@@ -275,7 +336,7 @@ EXCHANGES: dict[str, type[Exchange]] = {"sync": SyncExchange, "ssp": SspExchange
 
 
 def make_exchange(client: PSClient, info: ServerInfo, model, total_steps: int, optimizer: OptimizerSpec,
-                  backend: str = "ps", precision=None) -> Exchange:
+                  backend: str = "ps", precision=None, *, flat: bool = False, overlap: bool = False) -> Exchange:
     if backend == "allreduce":
         return AllreduceExchange(client, info, model, total_steps, optimizer, precision)
     try:
@@ -283,4 +344,4 @@ def make_exchange(client: PSClient, info: ServerInfo, model, total_steps: int, o
     except KeyError:
         raise ValueError(f"the parameter server runs ps.mode={info.mode!r}, which this worker does not know; "
                          "driver and workers must run the same shardline version") from None
-    return cls(client, info, model, total_steps, optimizer, precision)
+    return cls(client, info, model, total_steps, optimizer, precision, flat=flat, overlap=overlap)

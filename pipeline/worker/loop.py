@@ -71,7 +71,7 @@ def _exchange(plan: WorkerPlan, client, info, model, device: str):
 
     precision = Precision(plan.precision, device)  # fp16 on a CPU worker fails here, naming the key
     return make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer, plan.backend,
-                         precision)
+                         precision, flat=True, overlap=plan.overlap)
 
 
 def _process_group(rendezvous, plan: WorkerPlan, faults: FaultHooks, device: str):
@@ -119,8 +119,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
             if device != "cpu":
                 x, y = to_device(x, device), y.to(device, non_blocking=True)
             timer.lap("to_device")
-            for p in model.parameters():
-                p.grad = None
+            exchange.zero_grad()
             try:
                 with precision.autocast():
                     batch_loss = faults.exploding(step, loss(forward(x), y))
@@ -130,6 +129,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
                 raise model_input_error(exc, plan.model, rank=plan.rank, step=step, epoch=epoch,
                                         inputs=batch_inputs(x, y)) from exc
             timer.lap("forward")
+            exchange.before_backward(step)  # ps.overlap: buckets go out as backward fills them
             precision.backward(batch_loss)
             # The one device sync of a step, taken before the exchange: a NaN/Inf loss stops here,
             # before its gradient reaches the server or the replicas step on it.

@@ -109,6 +109,7 @@ class WorkerPlan:
     deadlines: Deadlines = field(default_factory=Deadlines)
     precision: str = "fp32"  # train.precision: fp32 | bf16 | fp16
     profile: bool = False  # train.profile: the per-step timing breakdown (pipeline.worker.timing)
+    overlap: bool = False  # ps.overlap: gradient buckets pushed while backward runs (pipeline.worker.buckets)
 
     @property
     def task(self) -> str:

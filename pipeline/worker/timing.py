@@ -18,6 +18,8 @@ import time
 # gradient frames out (compression included); pull_wait: waiting for the server's answer (the slowest
 # rank, the reduce, the optimizer) and receiving the parameters; load_params: parameters into the model;
 # exchange_other: the rest of the exchange (a local optimizer step: ps.mode=average, allreduce).
+# ps.overlap: buckets sent while backward runs are backward's time; push is then the buckets left after it,
+# and with flat views (pipeline.worker.buckets) grad_flatten and load_params are ~0 (no copies left).
 PHASES = ("data_wait", "to_device", "forward", "backward", "grad_flatten", "push", "pull_wait", "load_params",
           "exchange_other", "metrics_logs")
 PREFIX = "time/"
