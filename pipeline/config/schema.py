@@ -49,9 +49,11 @@ class SplitConfig(_Section):
 class DataConfig(_Section):
     """Where the data comes from and how it is prepared."""
 
-    # where rows come from: a built-in data set (digits, digits_images, synthetic, clicks) or your csv/parquet path
-    source: Literal["digits", "digits_images", "csv", "parquet", "synthetic", "clicks"] = "digits"
-    # Input path for csv/parquet; for the built-in sources, where the raw Parquet data is landed
+    # where rows come from: a built-in data set (digits, digits_images, synthetic, clicks), your csv/parquet
+    # path, or a catalog table or view (data.source=table, data.path=its name)
+    source: Literal["digits", "digits_images", "csv", "parquet", "table", "synthetic", "clicks"] = "digits"
+    # Input path for csv/parquet, the table or view name for table; for the built-in sources, where the raw
+    # Parquet data is landed
     # (default: workdir/raw/digits, workdir/raw/digits_images, workdir/raw/synthetic-<spec>, workdir/raw/clicks-<spec>).
     path: Optional[str] = Field(None, min_length=1)
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
@@ -128,8 +130,9 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _path_for_file_sources(self) -> "DataConfig":
-        if self.source in ("csv", "parquet") and not self.path:
-            raise ValueError(f"data.path is required when data.source is {self.source!r}")
+        if self.source in ("csv", "parquet", "table") and not self.path:
+            what = "the table's name (catalog.schema.table, or a view)" if self.source == "table" else "the input"
+            raise ValueError(f"data.path is required when data.source is {self.source!r}: {what}")
         if self.features is not None and self.label in self.feature_names:
             raise ValueError(f"data.features must not include the label column data.label={self.label!r}")
         if self.classes is not None and self.task != "classification":

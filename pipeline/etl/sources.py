@@ -128,6 +128,17 @@ def _local_path(path: str) -> Optional[Path]:
     return None if "://" in path else Path(path)
 
 
+def _read_table(spark, name: str):
+    """A catalog table or view (Unity Catalog, Hive metastore, a temp view) by name."""
+    try:
+        return spark.table(name)
+    except Exception as exc:  # AnalysisException (classic) / its Connect twin: the name resolves to nothing
+        if "TABLE_OR_VIEW_NOT_FOUND" in str(exc) or "not found" in str(exc).lower():
+            raise DataError(f"data.path {name!r} names no table or view (data.source=table); create it, or "
+                            "give its full name (catalog.schema.table)") from None
+        raise
+
+
 def read_source(spark, data: DataConfig, workdir: str):
     """The configured source as a DataFrame; a missing path is an error naming it and the config key."""
     if data.source == "digits":
@@ -144,6 +155,8 @@ def read_source(spark, data: DataConfig, workdir: str):
 
         return spark.read.parquet(str(generate_clicks(spark, data, workdir)))
     path = data.path
+    if data.source == "table":
+        return _read_table(spark, path)
     if "://" not in path and not Path(path).exists():
         raise DataError(f"data.path {path!r} does not exist (data.source={data.source}); "
                         "point data.path at the input file or folder")

@@ -111,3 +111,16 @@ def test_manifest_is_json_with_counts(spark, tmp_path):
     data = json.loads((tmp_path / "work" / "shards" / "t" / "manifest.json").read_text())
     assert data["fingerprint"] == manifest.fingerprint and data["fingerprint"].startswith("sha256:")
     assert sum(s["rows"] for s in data["splits"]["train"]["shards"]) == data["splits"]["train"]["rows"]
+
+
+def test_a_table_or_view_is_a_source(spark, tmp_path):
+    _write_input(tmp_path, rows=80)
+    spark.read.parquet(str(tmp_path / "in")).createOrReplaceTempView("shardline_etl_table_source")
+    cfg = build({"name": "from_table", "workdir": str(tmp_path / "work"), "parallelism": {"data": 2},
+                 "train": {"batch_size": 8},
+                 "data": {"source": "table", "path": "shardline_etl_table_source", "id_column": "id"}})
+    manifest = run_etl(spark, cfg)
+    assert sum(split.rows for split in manifest.splits.values()) == 80
+    missing = cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": "no_such_table"})})
+    with pytest.raises(DataError, match=r"'no_such_table' names no table or view \(data.source=table\)"):
+        run_etl(spark, missing)
