@@ -17,6 +17,7 @@ CONSTRAINTS ?= constraints/modern.txt
 LTS_CONSTRAINTS ?= constraints/lts.txt
 AIRFLOW_CONSTRAINTS ?= constraints/airflow.txt
 PIP := -m pip install --disable-pip-version-check -q
+DOCS_ADDR ?= 127.0.0.1:8000
 export MLFLOW_DISABLE_TELEMETRY := true
 
 .PHONY: install install-lts install-airflow run test test-modern test-lts test-airflow docs docs-build clean
@@ -66,7 +67,7 @@ test-airflow: install-airflow
 # The docs site (MkDocs, docs/): pages generated from the code first, then served on 127.0.0.1 only.
 docs: install
 	$(PY) tools/docs_gen.py --out docs/generated
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict -a 127.0.0.1:8000
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict -a $(DOCS_ADDR)
 
 docs-build: install
 	$(PY) tools/docs_gen.py --out docs/generated

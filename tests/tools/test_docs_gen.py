@@ -80,3 +80,36 @@ def test_a_broken_link_fails_the_strict_build(tmp_path):
                           cwd=site_src, capture_output=True, text=True, timeout=300,
                           env={"NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode != 0 and "nowhere.md" in proc.stdout + proc.stderr
+
+
+def test_make_docs_serves_the_site_on_loopback(tmp_path):
+    """`make docs` generates the pages and serves them on 127.0.0.1 (DOCS_ADDR; never a wildcard)."""
+    import socket
+    import time
+    import urllib.request
+
+    pytest.importorskip("mkdocs")
+    if not (REPO / ".venv" / ".installed-stamp").exists():
+        pytest.skip("make docs needs the installed .venv (make install)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(["make", "-s", "docs", f"DOCS_ADDR=127.0.0.1:{port}"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, page = time.monotonic() + 120, None
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as response:
+                    page = response.read().decode()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert page is not None, f"make docs served nothing within 120 s:\n{server.stdout.read1(20000).decode()}"
+        assert "shardline" in page and "Quickstart" in page
+    finally:
+        import os
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
