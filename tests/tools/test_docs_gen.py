@@ -51,15 +51,25 @@ def test_an_error_type_without_an_entry_is_caught(monkeypatch):
     assert "pipeline.errors.BrandNewError" in docs_gen.missing()["undocumented"]
 
 
-def test_the_site_builds_in_strict_mode(tmp_path):
-    pytest.importorskip("mkdocs")
+def _sources(tmp_path) -> Path:
+    """A copy of docs/ and mkdocs.yml with the generated pages in it (the checkout stays untouched)."""
     site_src = tmp_path / "src"
     shutil.copytree(REPO / "docs", site_src / "docs", ignore=shutil.ignore_patterns("generated"))
     shutil.copy(REPO / "mkdocs.yml", site_src / "mkdocs.yml")
     docs_gen.generate(site_src / "docs" / "generated")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                          cwd=site_src, capture_output=True, text=True, timeout=300,
+    return site_src
+
+
+def _build(site_src: Path, out: Path) -> subprocess.CompletedProcess:
+    # Not -q: strict mode counts the warnings it logs, and a quiet build logs none.
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=site_src,
+                          capture_output=True, text=True, timeout=300,
                           env={"NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def test_the_site_builds_in_strict_mode(tmp_path):
+    pytest.importorskip("mkdocs")
+    proc = _build(_sources(tmp_path), tmp_path / "site")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     site = tmp_path / "site"
     reference = (site / "generated" / "config-reference" / "index.html").read_text()
@@ -70,15 +80,10 @@ def test_the_site_builds_in_strict_mode(tmp_path):
 
 def test_a_broken_link_fails_the_strict_build(tmp_path):
     pytest.importorskip("mkdocs")
-    site_src = tmp_path / "src"
-    shutil.copytree(REPO / "docs", site_src / "docs", ignore=shutil.ignore_patterns("generated"))
-    shutil.copy(REPO / "mkdocs.yml", site_src / "mkdocs.yml")
-    docs_gen.generate(site_src / "docs" / "generated")
+    site_src = _sources(tmp_path)
     page = site_src / "docs" / "quickstart.md"
     page.write_text(page.read_text() + "\nSee [the missing page](nowhere.md).\n")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                          cwd=site_src, capture_output=True, text=True, timeout=300,
-                          env={"NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    proc = _build(site_src, tmp_path / "site")
     assert proc.returncode != 0 and "nowhere.md" in proc.stdout + proc.stderr
 
 

@@ -2,10 +2,8 @@
 from the pip pyspark on 127.0.0.1, the digits pipeline run by a client in its own process."""
 import ast
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -40,29 +38,10 @@ print("RESULT " + json.dumps({{"metrics": outcome.test_metrics, "preflight": pre
 
 
 @pytest.fixture(scope="module")
-def connect_url(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("connect")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    import pyspark
-
-    home = os.path.dirname(pyspark.__file__)
-    env = {**os.environ, "SPARK_HOME": home, "SPARK_LOG_DIR": str(logs), "SPARK_PID_DIR": str(logs),
-           "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    subprocess.run([os.path.join(home, "sbin", "start-connect-server.sh"), "--master", "local[2]",
-                    "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-                    "--conf", f"spark.connect.grpc.binding.port={port}", "--conf", "spark.ui.enabled=false",
-                    "--conf", "spark.sql.shuffle.partitions=2"], env=env, check=True, capture_output=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not any("Spark Connect server started" in p.read_text(errors="replace") for p in logs.glob("*.out")):
-            assert time.monotonic() < deadline, "\n".join(p.read_text()[-3000:] for p in logs.glob("*.out"))
-            time.sleep(0.5)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        subprocess.run([os.path.join(home, "sbin", "stop-connect-server.sh")], env=env, capture_output=True)
+def connect_url(tmp_path_factory, connect_server):
+    with connect_server(tmp_path_factory.mktemp("connect"), master="local[2]",
+                        conf={"spark.sql.shuffle.partitions": "2"}) as url:
+        yield url
 
 
 @pytest.mark.parametrize("placement", ["driver", "task"])

@@ -2,10 +2,8 @@
 server would): the client's PS must not take the server's spark.driver.host for its own."""
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,30 +33,10 @@ print("RESULT " + json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def off_host_connect_url(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("connect-off-host")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    import pyspark
-
-    home = os.path.dirname(pyspark.__file__)
-    env = {**os.environ, "SPARK_HOME": home, "SPARK_LOG_DIR": str(logs), "SPARK_PID_DIR": str(logs),
-           "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_IDENT_STRING": "offhost",
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    subprocess.run([os.path.join(home, "sbin", "start-connect-server.sh"), "--master", "local[1]",
-                    "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-                    "--conf", f"spark.connect.grpc.binding.port={port}", "--conf", "spark.ui.enabled=false",
-                    "--conf", f"spark.driver.host={SERVER_DRIVER_HOST}",
-                    "--conf", "spark.driver.bindAddress=127.0.0.1"], env=env, check=True, capture_output=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not any("Spark Connect server started" in p.read_text(errors="replace") for p in logs.glob("*.out")):
-            assert time.monotonic() < deadline, "\n".join(p.read_text()[-3000:] for p in logs.glob("*.out"))
-            time.sleep(0.5)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        subprocess.run([os.path.join(home, "sbin", "stop-connect-server.sh")], env=env, capture_output=True)
+def off_host_connect_url(tmp_path_factory, connect_server):
+    with connect_server(tmp_path_factory.mktemp("connect-off-host"), master="local[1]", ident="offhost",
+                        conf={"spark.driver.host": SERVER_DRIVER_HOST, "spark.driver.bindAddress": "127.0.0.1"}) as url:
+        yield url
 
 
 def test_the_servers_driver_host_is_not_taken_for_the_clients_ps_address(off_host_connect_url, tmp_path):
