@@ -143,12 +143,13 @@ def test_no_code_deserializes_objects_or_runs_code_from_bytes() -> None:
 
 def test_the_scan_covers_every_module_that_reads_the_network() -> None:
     """Every module that decodes bytes from a socket (the frames, the handshake, the PS protocol and its
-    connection opening, the stage links' frames, TLS and pending slots) is among the scanned sources."""
+    connection opening, the stage links' frames, TLS and pending slots, the allreduce rendezvous store, the
+    bucketed rounds) is among the scanned sources."""
     scanned = {name for name, _ in parsed_sources()}
     network = {"pipeline/wire/frames.py", "pipeline/wire/handshake.py", "pipeline/wire/tls.py",
                "pipeline/wire/pending.py", "pipeline/ps/protocol.py", "pipeline/ps/opening.py",
                "pipeline/ps/listener.py", "pipeline/ps/dispatch.py", "pipeline/parallel/link.py",
-               "pipeline/parallel/link_frames.py"}
+               "pipeline/parallel/link_frames.py", "pipeline/worker/store.py", "pipeline/ps/bucket_rounds.py"}
     assert network <= scanned, sorted(network - scanned)
 
 
