@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline.config.loader import build, deep_merge
+from pipeline.config.loader import build, deep_merge, nested
 from pipeline.config.schema import PipelineConfig
 from pipeline.config.tune import SearchChoices, SearchRange
 from pipeline.config.workdir import Workdir
@@ -46,21 +46,11 @@ class TuneOutcome:
     model_version: Optional[str]
 
 
-def _nested(key: str, value: Any) -> dict:
-    out: dict = {}
-    cursor = out
-    *parents, leaf = key.split(".")
-    for part in parents:
-        cursor = cursor.setdefault(part, {})
-    cursor[leaf] = value
-    return out
-
-
 def trial_config(cfg: PipelineConfig, params: dict[str, Any]) -> PipelineConfig:
     """The study's config with one trial's values; a bad key or value is a ConfigError naming it."""
     merged = cfg.model_dump(mode="json")
     for key, value in params.items():
-        merged = deep_merge(merged, _nested(key, value))
+        merged = deep_merge(merged, nested(key, value))
     return build(merged, f"tune trial {json.dumps(params, default=str)}")
 
 

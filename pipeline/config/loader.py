@@ -57,13 +57,18 @@ def parse_override(text: str) -> dict[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: value is not valid YAML: {exc}") from None
-    nested: dict[str, Any] = {}
-    cursor = nested
-    parts = key.split(".")
-    for part in parts[:-1]:
+    return nested(key, value)
+
+
+def nested(key: str, value: Any) -> dict[str, Any]:
+    """`("train.epochs", 5)` -> {"train": {"epochs": 5}}: a dotted key as the dict a deep merge takes."""
+    out: dict[str, Any] = {}
+    cursor = out
+    *parents, leaf = key.split(".")
+    for part in parents:
         cursor = cursor.setdefault(part, {})
-    cursor[parts[-1]] = value
-    return nested
+    cursor[leaf] = value
+    return out
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:

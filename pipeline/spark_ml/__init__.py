@@ -36,7 +36,7 @@ import json
 import logging
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 from pyspark import keyword_only
@@ -47,7 +47,7 @@ from pyspark.ml.param.shared import (HasFeaturesCol, HasLabelCol, HasPredictionC
 from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable,
                              DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter)
 
-from pipeline.config.loader import build, deep_merge, parse_override, read_yaml
+from pipeline.config.loader import build, deep_merge, nested, parse_override, read_yaml
 from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, DataError
@@ -112,16 +112,6 @@ _PARAM_KEYS = {"workdir": "workdir", "name": "name", "parallelism": "parallelism
                "learningRate": "train.lr", "backend": "train.backend", "psMode": "ps.mode"}
 
 
-def _nested(key: str, value: Any) -> dict:
-    out: dict = {}
-    cursor = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        cursor = cursor.setdefault(part, {})
-    cursor[parts[-1]] = value
-    return out
-
-
 class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, DefaultParamsWritable):
     """Distributed torch training as a Spark ML Estimator; `fit` returns a `ShardlineModel`."""
 
@@ -171,7 +161,7 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
             merged = deep_merge(merged, read_yaml(path))
         for param, key in _PARAM_KEYS.items():
             if self.isDefined(getattr(self, param)):
-                merged = deep_merge(merged, _nested(key, self.getOrDefault(getattr(self, param))))
+                merged = deep_merge(merged, nested(key, self.getOrDefault(getattr(self, param))))
         for override in self.getOverrides():
             merged = deep_merge(merged, parse_override(override))
         if input_path is not None:
