@@ -58,20 +58,24 @@ def make_shards(folder: Path, rows: int, features: int, ranks: int, row_group: i
     return files
 
 
-def bench_raw(files: list[str], features: int, row_group: int, seed: int = 0) -> tuple[float, float]:
-    import numpy as np
+def _row_group_arrays(files: list[str], features: int, row_group: int, rng):
+    """(x, y) numpy arrays of each file's row groups in a seeded random order, one batch per row group: the
+    unit the loader reads, so the baselines and the loader decode the same pieces."""
     import pyarrow.parquet as pq
 
-    started, cpu, count = time.perf_counter(), time.process_time(), 0
-    rng = np.random.default_rng(seed)
     for path in files:
         pf = pq.ParquetFile(path)
         order = [int(g) for g in rng.permutation(pf.metadata.num_row_groups)]
-        # Batches of one row group: the unit the loader reads, so both decode the same pieces.
         for batch in pf.iter_batches(batch_size=row_group, row_groups=order, columns=["features", "label"]):
-            x = batch.column(0).flatten().to_numpy().reshape(-1, features)
-            y = batch.column(1).to_numpy()
-            count += len(y) + 0 * x.shape[0]
+            yield batch.column(0).flatten().to_numpy().reshape(-1, features), batch.column(1).to_numpy()
+
+
+def bench_raw(files: list[str], features: int, row_group: int, seed: int = 0) -> tuple[float, float]:
+    import numpy as np
+
+    started, cpu, count = time.perf_counter(), time.process_time(), 0
+    for x, y in _row_group_arrays(files, features, row_group, np.random.default_rng(seed)):
+        count += len(y) + 0 * x.shape[0]
     return count / (time.perf_counter() - started), count / max(time.process_time() - cpu, 1e-9)
 
 
@@ -79,20 +83,14 @@ def bench_raw_shuffled(files: list[str], features: int, row_group: int, batch: i
     """(a) plus the least a row-level shuffle costs: one gather of each row group's rows in a random
     order, then batch-sized views. No buffer across row groups: the loader's mixing is wider than this."""
     import numpy as np
-    import pyarrow.parquet as pq
 
     started, cpu, count = time.perf_counter(), time.process_time(), 0
     rng = np.random.default_rng(seed)
-    for path in files:
-        pf = pq.ParquetFile(path)
-        order = [int(g) for g in rng.permutation(pf.metadata.num_row_groups)]
-        for batch_ in pf.iter_batches(batch_size=row_group, row_groups=order, columns=["features", "label"]):
-            x = batch_.column(0).flatten().to_numpy().reshape(-1, features)
-            y = batch_.column(1).to_numpy()
-            perm = rng.permutation(len(y))
-            x, y = np.take(x, perm, axis=0), np.take(y, perm)
-            for begin in range(0, len(y), batch):
-                count += len(y[begin:begin + batch]) + 0 * len(x[begin:begin + batch])
+    for x, y in _row_group_arrays(files, features, row_group, rng):
+        perm = rng.permutation(len(y))
+        x, y = np.take(x, perm, axis=0), np.take(y, perm)
+        for begin in range(0, len(y), batch):
+            count += len(y[begin:begin + batch]) + 0 * len(x[begin:begin + batch])
     return count / (time.perf_counter() - started), count / max(time.process_time() - cpu, 1e-9)
 
 
