@@ -189,8 +189,7 @@ class ShardlineEstimator(Estimator, _ShardlineParams, DefaultParamsReadable, Def
                               target)
         from pipeline.spark_ml.tracking import tracking_overlay
 
-        explicit = bool((self._merged(None, None).get("tracking") or {}).get("uri"))
-        overlay, tags = tracking_overlay(explicit, getattr(self, "_parent_run", None))
+        overlay, tags = tracking_overlay(probe.tracking.uri is not None, getattr(self, "_parent_run", None))
         cfg = self.pipeline_config(str(target), features, overlay)
         spark = dataset.sparkSession
         manifest = run_etl(spark, cfg)
