@@ -63,6 +63,8 @@ class ShardCore:
         self.closed = False
         self.readers = 0  # PULLs sending straight from the parameter tensor
         self.stepping = False  # an update waits for readers; new readers wait for it
+        # Sparse tables (pipeline.ps.sparse.store): called with the version being applied, inside the update.
+        self.after_update: Callable[[int], None] | None = None
 
     # -- updates -----------------------------------------------------------------------------------
     def update_locked(self, apply: Callable[[], None]) -> bool:
@@ -79,6 +81,8 @@ class ShardCore:
             if generation != self.generation or self.closed:
                 return False
             apply()
+            if self.after_update is not None:
+                self.after_update(self.version)
             self.version += 1
             return True
         finally:

@@ -37,6 +37,7 @@ from pipeline.ps.messages import (
 from pipeline.ps.buffers import BufferStore
 from pipeline.ps.policies import ConsistencyPolicy
 from pipeline.ps.protocol import DType, Header, MsgType
+from pipeline.ps.sparse.handlers import SPARSE_HANDLERS, SparseRows
 from pipeline.wire.deadline import Timeout, deadline_after
 from pipeline.wire.frames import PeerClosedError
 from pipeline.wire.handshake import send_refusal
@@ -59,6 +60,8 @@ class RequestContext(Protocol):
     def push_dtypes(self) -> frozenset[DType]: ...
     @property
     def buffers(self) -> BufferStore | None: ...
+    @property
+    def sparse(self) -> Any: ...  # pipeline.ps.sparse.store.SparseStore, or None
 
     def in_flight(self) -> ContextManager[None]: ...
     def count_push_payload(self, nbytes: int) -> None: ...
@@ -201,10 +204,14 @@ HANDLERS: dict[MsgType, Handler[Any]] = {
     MsgType.FINISH: FinishHandler(),
     MsgType.BUFFERS: BuffersHandler(),
     MsgType.PULL_BUFFERS: PullBuffersHandler(),
+    **SPARSE_HANDLERS,  # SPARSE_PULL, SPARSE_PUSH (pipeline.ps.sparse.handlers)
 }
 
 
 def deliver(ctx: RequestContext, conn: RankConnection, reply: Reply) -> None:
+    if isinstance(reply, SparseRows):
+        reply.send_to(ctx, conn)
+        return
     match reply:
         case Params(version=version):
             ctx.send_params(conn, version)

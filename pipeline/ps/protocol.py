@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline.errors import PSError, ProtocolError
+from pipeline.ps.sparse.frames import check_header as check_sparse_header
 from pipeline.wire import frames as _frames
 from pipeline.wire.frames import (
     MAC_SIZE,
@@ -70,6 +71,11 @@ class MsgType(IntEnum):
     # merged buffers, the answer to PULL_BUFFERS (client -> server, empty).
     BUFFERS = 13
     PULL_BUFFERS = 14
+    # Sparse embedding tables (pipeline.ps.sparse.frames has the layout): rows of distinct ids, their
+    # summed gradients; SPARSE_PUSH is answered with ACK, SPARSE_PULL with SPARSE_ROWS.
+    SPARSE_PULL = 15
+    SPARSE_ROWS = 16
+    SPARSE_PUSH = 17
 
 
 # fp16/bf16/sparse are only accepted for compressed pushes.
@@ -91,6 +97,7 @@ BUFFER_TYPES = frozenset({MsgType.BUFFERS})
 MAX_BUFFER_WORDS = 1 << 24
 # ps.shards' upper bound (config/schema.py): a WELCOME listing more is not from a shardline server.
 MAX_SHARDS = 64
+SPARSE_KINDS = {MsgType.SPARSE_PULL: "pull", MsgType.SPARSE_ROWS: "rows", MsgType.SPARSE_PUSH: "push"}
 FIXED_SIZE_TYPES: dict[MsgType, int] = {MsgType.CHALLENGE: NONCE_SIZE, MsgType.AUTH: MAC_SIZE}
 EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH, MsgType.PULL_BUFFERS})
 
@@ -132,6 +139,8 @@ def decode_header(
                 f"{msg_type.name} payload length {length} != count {count} * itemsize "
                 f"{ITEMSIZE[dtype]} ({dtype.name})"
             )
+    elif msg_type in SPARSE_KINDS:
+        check_sparse_header(SPARSE_KINDS[msg_type], dtype, count, length)
     elif msg_type in BUFFER_TYPES:
         if dtype is not DType.FLOAT32:
             raise ProtocolError(f"{msg_type.name} frames carry FLOAT32 words, got {dtype.name}")

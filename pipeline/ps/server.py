@@ -77,7 +77,7 @@ class ParameterServer:
                  host: str, port: int = 0, generation: int = 1,
                  on_metrics: Callable[[int, dict], None] | None = None,
                  on_failure: FailureObserver | None = None, buffers: BufferStore | None = None,
-                 tls: ServerCert | None = None) -> None:
+                 tls: ServerCert | None = None, sparse: Any = None) -> None:
         if not isinstance(settings, PSSettings):
             raise PSError(f"ParameterServer needs PSSettings, got {type(settings).__name__}")
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
@@ -95,7 +95,8 @@ class ParameterServer:
                         # Metrics are sent once per report, to shard 0.
                         on_metrics=on_metrics if i == 0 else None, shard_index=i, start=start,
                         total_params=self._num_params, failure_sink=self._board,
-                        buffers=buffers if i == 0 else None, tls=tls)
+                        buffers=buffers if i == 0 else None, tls=tls,
+                        sparse=sparse if i == 0 else None)  # sparse tables beside shard 0 (pipeline.ps.sparse)
             for i, (start, end) in enumerate(self._ranges)
         ]
         if self._board is not None:
@@ -243,7 +244,8 @@ class ParameterServer:
                 "optimizer": _merge_optimizer_states([st["optimizer"] for st in states],
                                                      [end - start for start, end in self._ranges]),
                 "optimizer_spec": states[0]["optimizer_spec"], "clocks": states[0]["clocks"],
-                "steps_applied_by_rank": states[0]["steps_applied_by_rank"]}
+                "steps_applied_by_rank": states[0]["steps_applied_by_rank"],
+                **({"sparse": states[0]["sparse"]} if "sparse" in states[0] else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._buffers is not None and state.get("buffers") is not None:

@@ -61,7 +61,7 @@ class ShardServer:
                  host: str, port: int = 0, generation: int = 1, on_metrics: MetricsHook | None = None,
                  shard_index: int = 0, start: int = 0, total_params: int | None = None,
                  failure_sink: FailureSink | None = None, buffers: BufferStore | None = None,
-                 tls: ServerCert | None = None) -> None:
+                 tls: ServerCert | None = None, sparse: Any = None) -> None:
         if not 1 <= world_size <= U32_MAX:
             raise PSError(f"world_size must be >= 1, got {world_size}")
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
@@ -87,6 +87,9 @@ class ShardServer:
         self._ledger = FailureLedger()
         self._stats = ShardStats()
         self._policy = make_policy(self._core, self._roster, self._ledger, self._stats, settings.consistency)
+        self._sparse = sparse  # sparse tables (pipeline.ps.sparse.store): shard 0 of a server only
+        if sparse is not None:
+            sparse.attach(self._core, self._policy)
         self._replying = 0  # requests woken by fail()/close() that still have to send their ERROR
         self._listener = ShardListener(host, port, shard_index=shard_index, cond=self._cond, stats=self._stats,
                                        max_connections=2 * world_size + 8, secret=bytes(secret),
@@ -245,7 +248,8 @@ class ShardServer:
             return self._stats.report_locked(
                 live_bytes=self._listener.live_bytes_locked(), requests_in_flight=self._replying,
                 mode=self._settings.consistency.mode, compression=self._settings.compression,
-                clock_by_rank=self._policy.clock)
+                clock_by_rank=self._policy.clock) | (
+                    {"sparse": self._sparse.stats_locked()} if self._sparse is not None else {})
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -254,7 +258,8 @@ class ShardServer:
             return {**self._core.state_locked(),
                     # async: each rank's next step (its data position); the counters prove at-most-once.
                     "clocks": self._policy.checkpoint_clocks_locked(),
-                    "steps_applied_by_rank": dict(self._stats.steps_applied_by_rank)}
+                    "steps_applied_by_rank": dict(self._stats.steps_applied_by_rank),
+                    **({"sparse": self._sparse.state_locked()} if self._sparse is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()``; refused while a step is half-pushed. The optimizer kind must
@@ -264,6 +269,8 @@ class ShardServer:
             if self._policy.pending_locked():
                 raise PSError(f"cannot load state while step {self._core.version} is partly pushed")
             self._core.restore_locked(state)
+            if self._sparse is not None and state.get("sparse") is not None:
+                self._sparse.restore_locked(state["sparse"])
             self._policy.restore_clocks_locked(dict(state.get("clocks") or {}))
             self._stats.steps_applied_by_rank = {
                 int(r): int(n) for r, n in dict(state.get("steps_applied_by_rank") or {}).items()}
@@ -366,6 +373,10 @@ class ShardServer:
     @property
     def buffers(self) -> BufferStore | None:
         return self._buffers
+
+    @property
+    def sparse(self) -> Any:
+        return self._sparse
 
     @contextlib.contextmanager
     def in_flight(self) -> Iterator[None]:

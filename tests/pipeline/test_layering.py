@@ -16,7 +16,7 @@ ALLOWED = {
     "etl": {"config", "shards"},
     "shards": {"config"},
     "data": {"shards"},
-    "models": {"config"},
+    "models": {"config", "ps"},  # ShardlineEmbedding: a sparse table's spec and seeded rows (pipeline.ps.sparse)
     "wire": set(),
     "ps": {"wire"},
     "checkpoints": set(),

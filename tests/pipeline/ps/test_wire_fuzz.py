@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.ps import OptimizerSpec, ParameterServer, PSClient
-from pipeline.ps.protocol import Channel, MsgType, decode_header
+from pipeline.ps.protocol import SPARSE_KINDS, Channel, MsgType, decode_header
 from pipeline.wire.frames import (
     HEADER,
     HEADER_SIZE,
@@ -227,6 +227,10 @@ def before_auth(draw) -> Case:
         frame = raw_header(type_code=msg, generation=gen, rank=rank, step=step, length=len(body)) + body
     elif msg is MsgType.CHALLENGE:
         frame = raw_header(type_code=msg, generation=gen, rank=rank, length=NONCE_SIZE) + bytes(NONCE_SIZE)
+    elif msg in SPARSE_KINDS:  # zero ids: a bare table prefix (rows: nothing)
+        size = 0 if msg is MsgType.SPARSE_ROWS else 8
+        frame = raw_header(type_code=msg, generation=gen, rank=rank, step=step, dtype=DType.FLOAT32,
+                           length=size) + bytes(size)
     else:
         frame = raw_header(type_code=msg, generation=gen, rank=rank, step=step)
     return Case(frame, f"expected AUTH, got {msg.name}")
