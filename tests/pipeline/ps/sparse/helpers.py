@@ -54,15 +54,15 @@ def batch(rank: int, step: int, size: int = 8, rows: int = ROWS) -> tuple[torch.
 
 def train_rank(server: ParameterServer, secret: bytes, rank: int, steps: int, model_fn: Callable[[], nn.Module],
                *, wire_dtype: str = "fp32", before_step: Callable[[PSClient, int], None] | None = None,
-               mode: str = "sync") -> nn.Module:
+               mode: str = "sync", generation: int = 1) -> nn.Module:
     model = model_fn()
     host, port = server.address
-    with PSClient(host, port, rank=rank, secret=secret, timeout_s=5.0) as client:
+    with PSClient(host, port, rank=rank, secret=secret, timeout_s=5.0, generation=generation) as client:
         client.connect()
         hook = SparseHook(client, sparse_modules(model), wire_dtype)
-        _, params = client.pull(0)
+        first, params = client.pull(0)
         load_flat_parameters(model, params)
-        for step in range(steps):
+        for step in range(first if mode == "sync" else client.info.clock, steps):  # a retry resumes
             if before_step is not None:
                 before_step(client, step)
             x, y = batch(rank, step)
