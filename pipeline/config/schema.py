@@ -16,6 +16,7 @@ from pipeline.config.loss import LossFields
 from pipeline.config.section import SEED as _SEED
 from pipeline.config.section import Section as _Section
 from pipeline.config.sources import ClicksConfig, SyntheticConfig
+from pipeline.config.sparse import SparseConfig
 from pipeline.config.train_options import DivergenceConfig, EarlyStoppingConfig, ScheduleConfig, check_combinations
 from pipeline.config.tune import TuneConfig
 
@@ -314,6 +315,8 @@ class PSConfig(_Section):
     # than the push it hides (bench/step_profile_bench.py --compare ps.overlap=true measures it).
     overlap: bool = False
     bucket_mb: float = Field(1.0, gt=0, le=1024)  # overlap: the bucket (server slice) size in MB
+    # Sparse embedding tables on the PS (pipeline/config/sparse.py, docs/training.md "Sparse embedding tables").
+    sparse: SparseConfig = Field(default_factory=SparseConfig)
 
 
 class TimeoutsConfig(_Section):

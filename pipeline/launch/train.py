@@ -72,7 +72,8 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                         f"parallelism.data x pipeline = {replicas} x {stages} barrier tasks")
     steps = steps_per_epoch(manifest, replicas, cfg.train.batch_size)
     spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
-                      task=manifest.task, labels=manifest.label_mapping, target_scale=_target_scale(cfg, manifest))
+                      task=manifest.task, labels=manifest.label_mapping, target_scale=_target_scale(cfg, manifest),
+                      sparse=cfg.ps.sparse.model_options(cfg.train.seed))
     store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints)
     allreduce = cfg.train.backend == "allreduce"
     resumed = latest = None
@@ -86,6 +87,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     torch.manual_seed(cfg.train.seed)  # every worker starts from the server's copy of this initialization
     initial_model = build_model(spec)
     initial, initial_buffers = flat_parameters(initial_model), flat_buffers(initial_model)
+    _check_sparse(cfg, initial_model)
     if allreduce or cfg.ps.placement == "task":
         check_result_size(spark, initial.numel() * 4, "with train.backend=allreduce" if allreduce
                           else "with ps.placement=task")
@@ -121,6 +123,10 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     with placement:
         rows, failed_attempts = run_attempts(placement, policy)
         outcome = placement.outcome(rows)
+        if getattr(placement, "sparse", None) is not None:  # ps.sparse: the trained rows next to the model
+            from pipeline.launch.sparse_tables import with_trained_tables
+
+            spec = with_trained_tables(cfg, spec, placement.server)
     seconds = time.perf_counter() - started
     check_steps(outcome.version, outcome.expected)
     ranks = sorted(({k: v for k, v in r.items() if k not in ("parameters", "buffers")} for r in outcome.rows),
@@ -133,6 +139,15 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                        steps=outcome.version, seconds=seconds, ps_stats=outcome.stats, failed_attempts=failed_attempts,
                        resumed_from_step=None if resumed is None else int(resumed["step"]),
                        stopped=outcome.stopped)
+
+
+def _check_sparse(cfg: PipelineConfig, model) -> None:
+    from pipeline.models.sparse_embedding import sparse_modules
+
+    if sparse_modules(model):
+        from pipeline.launch.sparse_tables import check_supported
+
+        check_supported(cfg)
 
 
 def _target_scale(cfg: PipelineConfig, manifest: Manifest) -> Optional[tuple[float, float]]:

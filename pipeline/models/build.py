@@ -34,6 +34,9 @@ class ModelSpec:
     # its output head maps back (pipeline.models.losses). None: trained on the raw target.
     target_scale: Optional[tuple[float, float]] = None
     batch_norm: bool = False  # built-ins: a BatchNorm1d after each hidden linear layer
+    # ps.sparse.model_options(): which tabular embeddings are sparse tables on the PS (min_rows, init_std, seed,
+    # wire_dtype) and, once trained, "tables": the directory of their rows (pipeline.models.sparse_embedding).
+    sparse: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.features and self.feature_set.numeric_width != self.num_features:
@@ -50,6 +53,8 @@ class ModelSpec:
         data = asdict(self)
         if not data["batch_norm"]:  # absent unless set: specs (and checkpoints) from before it stay equal
             del data["batch_norm"]
+        if not data["sparse"]:
+            del data["sparse"]
         return data
 
     @classmethod
@@ -68,7 +73,8 @@ class ModelSpec:
 
 def model_spec(config: ModelConfig, *, num_features: Optional[int] = None, features: Optional[FeatureSet] = None,
                num_classes: Optional[int], task: str, labels: Optional[tuple[str, ...]] = None,
-               target_scale: Optional[tuple[float, float]] = None) -> ModelSpec:
+               target_scale: Optional[tuple[float, float]] = None,
+               sparse: Optional[dict[str, Any]] = None) -> ModelSpec:
     """The spec of ``config``'s model for ``features`` (or, classic, ``num_features`` packed numeric columns).
     ``labels``: the class label values (for model.class_weights by label); ``target_scale``: regression's
     train-split (mean, std), used when model.standardize_target is on."""
@@ -100,6 +106,7 @@ def model_spec(config: ModelConfig, *, num_features: Optional[int] = None, featu
         loss=loss_spec(config, task, _labels(labels, num_classes) if task == "classification" else None).to_dict(),
         target_scale=(tuple(float(v) for v in target_scale)
                       if target_scale is not None and task == "regression" and config.standardize_target else None),
+        sparse=dict(sparse or {}),
     )
 
 
@@ -211,12 +218,16 @@ def build_model(spec: ModelSpec):
         raise ConfigError(f"model.kind {spec.kind!r} is not one of mlp, tabular, logreg, cnn")
     from pipeline.models.inputs import TabularInput
 
-    adapter = TabularInput(spec.feature_set)
+    adapter = TabularInput(spec.feature_set, spec.sparse)
     if spec.kind == "logreg":
         layers = [nn.Linear(adapter.out_features, network_outputs(spec))]
     else:
         layers = head_layers(adapter.out_features, spec)
     model = nn.Sequential(OrderedDict([("input", adapter)] + [(str(i), m) for i, m in enumerate(layers)]))
+    if spec.sparse.get("tables"):  # a trained model: its sparse tables' rows, served from this process
+        from pipeline.models.sparse_embedding import load_tables
+
+        load_tables(model, spec.sparse["tables"])
     return with_head(model, spec)
 
 

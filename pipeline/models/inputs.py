@@ -63,8 +63,9 @@ class TabularInput(nn.Module):
 
     shardline_input = True
 
-    def __init__(self, features: FeatureSet):
+    def __init__(self, features: FeatureSet, sparse: dict | None = None):
         super().__init__()
+        sparse = sparse or {}
         if not len(features):
             raise ConfigError("the model has no input features; list at least one in data.features")
         self.numeric_width = features.numeric_width
@@ -79,7 +80,14 @@ class TabularInput(nn.Module):
                 continue
             if spec.type in ("categorical", "text"):
                 padding = 0 if spec.type == "text" else None
-                self.embeddings.append(nn.Embedding(spec.cardinality, spec.embedding_width, padding_idx=padding))
+                if spec.type == "categorical" and sparse.get("min_rows") and spec.cardinality >= sparse["min_rows"]:
+                    # ps.sparse: rows on the parameter server, outside the dense parameters
+                    from pipeline.models.sparse_embedding import ShardlineEmbedding
+
+                    self.embeddings.append(ShardlineEmbedding(spec.name, spec.cardinality, spec.embedding_width,
+                                                              init_std=sparse["init_std"], seed=sparse["seed"]))
+                else:
+                    self.embeddings.append(nn.Embedding(spec.cardinality, spec.embedding_width, padding_idx=padding))
                 width += spec.embedding_width
             elif spec.type == "vector":
                 width += spec.length
@@ -97,6 +105,7 @@ class TabularInput(nn.Module):
             raise TypeError(f"this model reads the batch dict ({', '.join(name for _, name in self.parts)} "
                             "besides the numeric block), got a tensor")
         blocks = [batch[NUMERIC_KEY].to(torch.float32)] if self.numeric_width else []
+        self._prefetch_sparse(batch)
         embeddings = iter(self.embeddings)
         for kind, name in self.parts:
             value = batch[name]
@@ -109,6 +118,17 @@ class TabularInput(nn.Module):
             else:
                 blocks.append(image_floats(value).flatten(1))
         return torch.cat(blocks, dim=1)
+
+
+    def _prefetch_sparse(self, batch) -> None:
+        """ps.sparse: every sparse table's rows of this batch in one round trip, before the loop reads them."""
+        pairs = [(module, batch[name]) for module, (kind, name) in
+                 zip(self.embeddings, (p for p in self.parts if p[0] in ("categorical", "text")))
+                 if not isinstance(module, nn.Embedding)]
+        if pairs:
+            from pipeline.models.sparse_embedding import prefetch
+
+            prefetch(pairs)
 
 
 def _mean_embedding(embedding: nn.Embedding, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -107,3 +107,27 @@ def prefetch(pairs: Iterable[tuple[ShardlineEmbedding, torch.Tensor]]) -> None:
             rows = [m.source.rows(m, u) for m, _, u, _ in items]
         for (module, ids, unique, inverse), r in zip(items, rows):
             module._staged = (ids, unique, inverse, r)
+
+
+# -- the trained tables as files: <dir>/<table name>/ids.npy (int64 [n], ascending) + rows.npy (float32 [n, dim])
+def save_tables(tables: dict[str, tuple[np.ndarray, np.ndarray]], directory: str) -> str:
+    """Write each table's (ids, rows) as ``<directory>/<name>/ids.npy`` + ``rows.npy``; returns ``directory``."""
+    import os
+
+    for name, (ids, rows) in tables.items():
+        os.makedirs(os.path.join(directory, name), exist_ok=True)
+        np.save(os.path.join(directory, name, "ids.npy"), np.asarray(ids, dtype=np.int64))
+        np.save(os.path.join(directory, name, "rows.npy"), np.asarray(rows, dtype=np.float32))
+    return directory
+
+
+def load_tables(model: nn.Module, directory: str) -> None:
+    """Serve every sparse table of ``model`` from ``directory`` (memory-mapped: a partition that scores a
+    few thousand ids reads only their pages). A table missing there serves its initial rows."""
+    import os
+
+    for module in sparse_modules(model):
+        path = os.path.join(directory, module.spec.name)
+        if os.path.exists(os.path.join(path, "ids.npy")):
+            module.load_rows(np.load(os.path.join(path, "ids.npy"), mmap_mode="r"),
+                             np.load(os.path.join(path, "rows.npy"), mmap_mode="r"))

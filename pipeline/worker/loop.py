@@ -74,6 +74,13 @@ def _exchange(plan: WorkerPlan, client, info, model, device: str):
                          precision, flat=True, overlap=plan.overlap)
 
 
+def _sparse_hook(plan: WorkerPlan, exchange, info, model):
+    from pipeline.worker.sparse_hook import sparse_hook
+
+    return sparse_hook(exchange.client, model, mode=info.mode, overlap=plan.overlap, backend=plan.backend,
+                       wire_dtype=plan.model.sparse.get("wire_dtype", "fp32"))
+
+
 def _process_group(rendezvous, plan: WorkerPlan, faults: FaultHooks, device: str):
     from pipeline.worker.distributed import process_group
 
@@ -92,6 +99,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
     samples = 0
     last_loss = float("nan")
     step = exchange.begin()  # start() + the server's buffers
+    sparse = _sparse_hook(plan, exchange, info, model)  # ps.sparse: None for a model without sparse tables
     timer = exchange.timed(step_timer(plan.profile, device))  # train.profile; a no-op timer when off
     forward = model
     if plan.backend == "allreduce":
@@ -120,6 +128,8 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
                 x, y = to_device(x, device), y.to(device, non_blocking=True)
             timer.lap("to_device")
             exchange.zero_grad()
+            if sparse is not None:
+                sparse.before_forward(step)
             try:
                 with precision.autocast():
                     batch_loss = faults.exploding(step, loss(forward(x), y))
@@ -136,6 +146,8 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
             value = batch_loss.item()
             check_finite(value, rank=plan.rank, step=step, epoch=epoch)
             timer.lap("backward")
+            if sparse is not None:
+                sparse.after_backward(step)  # before the dense push: sync applies both with step t
             step = exchange.after_backward(step)
             timer.lap("exchange_other")
             loss_sum += value * len(y)
@@ -150,7 +162,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
         epoch_steps = plan.steps_per_epoch - (skip if epoch == first_epoch else 0)
         metrics = {"epoch": epoch, "step": step, "train_loss": last_loss, "samples": epoch_samples,
                    "seconds": seconds, "cpu_s": cpu_s, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
-                   **timer.take(seconds, epoch_steps)}
+                   **timer.take(seconds, epoch_steps), **(sparse.take_stats() if sparse is not None else {})}
         if validation is not None:
             metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
         log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,

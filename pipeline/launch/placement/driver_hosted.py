@@ -42,6 +42,7 @@ class DriverPS:
     def __init__(self, run: TrainingRun):
         self.run = run
         self.server = None
+        self.sparse = None  # ps.sparse: the server's SparseStore (pipeline.launch.sparse_tables)
         self._stack = ExitStack()
         self._secret = None
         self._tls = None
@@ -65,6 +66,9 @@ class DriverPS:
         settings = ps_settings(cfg, run.steps_per_epoch)
         common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress, tls=self._tls)
         try:
+            from pipeline.launch.sparse_tables import sparse_store
+
+            self.sparse = sparse_store(cfg, run.spec, cfg.parallelism.tasks)  # ps.sparse: None without tables
             if cfg.parallelism.pipeline > 1:
                 from pipeline.ps.staged import StagedParameterServer
 
@@ -75,7 +79,7 @@ class DriverPS:
                                                stage_buffers=run.stage_buffer_stores(), **common)
             else:
                 server = ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks,
-                                         buffers=run.buffer_store(), **common)
+                                         buffers=run.buffer_store(), sparse=self.sparse, **common)
             self.server = self._stack.enter_context(server)
             if run.resumed is not None:
                 self.server.load_state_dict(run.resumed["ps"])
