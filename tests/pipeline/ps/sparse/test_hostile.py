@@ -14,6 +14,7 @@ from pipeline.ps.sparse.frames import MAX_IDS, PREFIX
 from pipeline.ps.sparse.rowopt import RowOptimizerSpec
 from pipeline.wire.deadline import deadline_after
 from tests.pipeline.ps.sparse.helpers import DIM, ROWS, TwoTables, make_server, run_ranks, train_rank
+from tests.pipeline.ps.test_wire_fuzz import wait_until
 
 STEPS = 4
 
@@ -86,7 +87,9 @@ def test_a_header_over_the_cap_drops_that_connection_and_the_server_trains_on(se
 
         with pytest.raises(PSError, match="more than the 1048576 one frame may carry"):
             train_rank(server, secret, 0, 3, _model, before_step=liar)
-        assert server.stats["protocol_errors"] == 1 and server.aborted
+        # The client sees the refusal before the server has finished recording it: wait for the record.
+        wait_until(lambda: server.aborted, "the server to abort the attempt after the oversized header")
+        assert server.stats["protocol_errors"] == 1
         generation = server.new_generation()  # the retry of the attempt: the same server trains on
         train_rank(server, secret, 0, 3, _model, generation=generation)
         assert server.version == 3 and server.stats["sparse"]["pushes"] == 2 * 3
