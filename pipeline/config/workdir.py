@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config.schema import DataConfig, PipelineConfig
+from pipeline.storage import is_remote, join
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 SQLITE_PREFIX = "sqlite:///"
@@ -140,13 +141,16 @@ class Workdir:
         return raw_clicks(self.data, self.path)
 
     @property
-    def shards(self) -> Path:
-        """This config's shard set: data.shards_dir, else <workdir>/shards/<name>."""
+    def shards(self) -> Path | str:
+        """This config's shard set: data.shards_dir, else <workdir>/shards/<name>. An object-store URL
+        (s3://...) stays a str: a Path would fold its '//'."""
+        if self.data.shards_dir and is_remote(self.data.shards_dir):
+            return self.data.shards_dir.rstrip("/")
         return Path(self.data.shards_dir) if self.data.shards_dir else Path(self.path) / "shards" / self.name
 
-    def shard_partition(self, column: str, value: str) -> Path:
+    def shard_partition(self, column: str, value: str) -> Path | str:
         """The shard set of one workflow partition, inside the shard set the partitions merge into."""
-        return self.shards / f"{column}={value}"
+        return join(self.shards, f"{column}={value}") if is_remote(self.shards) else self.shards / f"{column}={value}"
 
     @property
     def models(self) -> Path:

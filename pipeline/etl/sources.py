@@ -167,4 +167,11 @@ def read_source(spark, data: DataConfig, workdir: str):
     local = _local_path(path)
     if local is not None:
         check_parquet_files(local, data)
-    return spark.read.parquet(path)
+        return spark.read.parquet(path)
+    from pipeline.storage import is_remote
+
+    if not is_remote(path):  # a scheme Spark serves itself (dbfs:/, a Hadoop connector's)
+        return spark.read.parquet(path)
+    from pipeline.storage.spark_io import read_parquet
+
+    return read_parquet(spark, path)
