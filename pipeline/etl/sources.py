@@ -168,9 +168,9 @@ def read_source(spark, data: DataConfig, workdir: str):
     if local is not None:
         check_parquet_files(local, data)
         return spark.read.parquet(path)
-    from pipeline.storage import is_remote
+    from pipeline.storage import spark_native
 
-    if not is_remote(path):  # a scheme Spark serves itself (dbfs:/, a Hadoop connector's)
+    if spark_native(path):  # hdfs://, dbfs:/...: Spark reads them itself
         return spark.read.parquet(path)
     from pipeline.storage.spark_io import read_parquet
 

@@ -37,6 +37,13 @@ def is_remote(url: str | os.PathLike) -> bool:
     return scheme(url) not in _LOCAL_SCHEMES
 
 
+def spark_native(url: str | os.PathLike) -> bool:
+    """Whether Spark's own Parquet reader/writer reaches `url` without extra jars: local paths and the
+    Hadoop filesystems every Spark distribution (or Databricks) ships. Object-store URLs (s3://, gs://,
+    abfss://) go through pyarrow in the Python workers instead (pipeline/storage/spark_io.py)."""
+    return scheme(url) in _LOCAL_SCHEMES + ("hdfs", "viewfs", "dbfs")
+
+
 def _s3_options() -> dict:
     options: dict = {}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -72,7 +79,14 @@ def _build(kind: str, netloc: str, options: dict):
         pass  # a scheme pyarrow has no native filesystem for: fsspec's (gcsfs, adlfs, dbfs, ...)
     import fsspec
 
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(kind)))
+    try:
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(kind)))
+    except (ValueError, ImportError) as exc:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"no filesystem serves {kind}:// URLs ({exc}); use a local path or a URL of a store "
+                          "pyarrow or an installed fsspec package serves (s3://, gs://, abfss:// with adlfs, "
+                          "hdfs://)") from None
 
 
 def resolve(url: str | os.PathLike):
@@ -123,6 +137,19 @@ def write_bytes(url: str | os.PathLike, data: bytes) -> None:
     ensure_dir(fs, posixpath.dirname(path) if is_remote(url) else os.path.dirname(path))
     with fs.open_output_stream(path) as f:
         f.write(data)
+
+
+def write_atomic(url: str | os.PathLike, data: bytes) -> None:
+    """Readers see the old file or all of `data`: one PUT on an object store, a temporary + rename locally."""
+    if is_remote(url):
+        write_bytes(url, data)
+        return
+    path = os.fspath(url)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def ensure_dir(fs, path: str) -> None:

@@ -10,7 +10,7 @@ import uuid
 from typing import Optional, Sequence
 
 from pipeline.errors import DataError
-from pipeline.storage import delete_dir, is_remote, resolve, url_of, write_bytes
+from pipeline.storage import delete_dir, is_remote, resolve, spark_native, url_of, write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def read_parquet(spark, urls: Sequence[str] | str, columns: Optional[Sequence[st
     """A DataFrame of the Parquet files/folders `urls`: spark.read.parquet for local paths; on an object
     store one task per file, reading it with pyarrow (ranged requests, pre_buffer)."""
     urls = [urls] if isinstance(urls, str) else list(urls)
-    if not any(is_remote(u) for u in urls):
+    if all(spark_native(u) for u in urls):
         df = spark.read.parquet(*urls)
         return df.select(*[f"`{c}`" for c in columns]) if columns else df
     from pyspark.sql.pandas.types import from_arrow_schema
@@ -60,7 +60,11 @@ def read_parquet(spark, urls: Sequence[str] | str, columns: Optional[Sequence[st
         import pyarrow as pa
 
         schema = pa.schema([schema.field(c) for c in columns])
-    tasks = max(1, min(len(files), spark.sparkContext.defaultParallelism * 4))
+    try:
+        slots = spark.sparkContext.defaultParallelism
+    except Exception:  # Spark Connect has no SparkContext
+        slots = 8
+    tasks = max(1, min(len(files), slots * 4))
     return spark.range(len(files), numPartitions=tasks).mapInArrow(
         make_read_fn(fs, files, schema), from_arrow_schema(schema))
 

@@ -25,7 +25,7 @@ ALLOWED = {
     "worker": {"data", "models", "ps", "parallel", "wire"},
     "launch": {"config", "worker", "ps", "shards", "models", "data", "checkpoints", "parallel", "wire", "storage"},
     "evaluate": {"models", "shards", "data", "storage"},
-    "tracking": {"config"},
+    "tracking": {"config", "storage"},
     "session": {"config"},
     "notebook": set(),
     "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints",
