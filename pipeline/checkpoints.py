@@ -2,7 +2,9 @@
 
 One file per checkpoint, `ckpt-<step>.pt`, written to a temporary name and renamed into place, so a
 reader never sees a half-written one; the newest `keep` are kept. The directory is a local path or any
-fsspec URL (s3://, gs://, abfss://, dbfs:/...). Files are torch.save'd dicts of tensors and plain
+fsspec URL (s3://, gs://, abfss://, dbfs:/...). On an object store (no rename: fsspec's mv is a full
+copy) the file is written under its final name directly: a PUT (multipart or not) becomes visible only
+whole, on close, which is the atomicity the rename gives locally; the digest is still committed first. Files are torch.save'd dicts of tensors and plain
 values and are loaded with weights_only=True: a checkpoint can never run code.
 
 Each checkpoint has a digest file next to it, `ckpt-<step>.pt.sha256`, committed before the checkpoint
@@ -44,6 +46,12 @@ def file_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def _renames(fs) -> bool:
+    """Whether `fs` has an atomic rename (local disks, mounts, HDFS) rather than copy + delete (object stores)."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & {"file", "local", "hdfs", "viewfs", "dbfs"})
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     path: str
@@ -59,9 +67,13 @@ class CheckpointStore:
         self.directory = directory.rstrip("/")
         self.keep = keep
         self._fs, self._root = url_to_fs(self.directory)
+        # Object stores publish an object atomically when its write completes; local and mounted
+        # filesystems need the temporary name + rename.
+        self._atomic_put = not _renames(self._fs)
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first."""
+        self._fs.invalidate_cache(self._root)  # another process (a task-hosted PS, a resumed run) may have written
         if not self._fs.exists(self._root):
             return []
         found = []
@@ -118,12 +130,18 @@ class CheckpointStore:
         temporary = f"{self._root}/.ckpt-{step:012d}.pt.{uuid.uuid4().hex[:8]}.tmp"
         data = buffer.getvalue()
         # The digest is committed first: a checkpoint visible under its final name always has one.
-        with self._fs.open(temporary + DIGEST_SUFFIX, "w") as out:
-            out.write(file_digest(data))
-        self._fs.mv(temporary + DIGEST_SUFFIX, final + DIGEST_SUFFIX)
-        with self._fs.open(temporary, "wb") as out:
-            out.write(data)
-        self._fs.mv(temporary, final)
+        if self._atomic_put:
+            with self._fs.open(final + DIGEST_SUFFIX, "w") as out:
+                out.write(file_digest(data))
+            with self._fs.open(final, "wb") as out:
+                out.write(data)
+        else:
+            with self._fs.open(temporary + DIGEST_SUFFIX, "w") as out:
+                out.write(file_digest(data))
+            self._fs.mv(temporary + DIGEST_SUFFIX, final + DIGEST_SUFFIX)
+            with self._fs.open(temporary, "wb") as out:
+                out.write(data)
+            self._fs.mv(temporary, final)
         for old in self.list()[:-self.keep]:
             self._fs.rm(old.path)
             if self._fs.exists(old.path + DIGEST_SUFFIX):

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pipeline import storage
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DataError, ShardlineError
 from pipeline.models import model_from_flat
@@ -154,7 +155,9 @@ def _read_input(spark, source: str):
     if "://" in source or os.sep in source or source.endswith(".parquet") or os.path.exists(source):
         if "://" not in source and not os.path.exists(source):
             raise DataError(f"score input {source} does not exist")
-        return spark.read.parquet(source)
+        from pipeline.storage.spark_io import read_parquet
+
+        return read_parquet(spark, source)  # object-store URLs through pyarrow, the rest through Spark
     return spark.table(source)
 
 
@@ -281,6 +284,26 @@ class _VectorSum:
         return [x + y for x, y in zip(a, b)]
 
 
+def _publish_local(fs: _FS, scored, output: str, overwrite: bool) -> None:
+    """Spark writes into a hidden sibling, renamed into place (the old output moved aside first)."""
+    staging = fs.sibling("staging")
+    try:
+        scored.write.mode("errorifexists").parquet(staging)
+        if fs.exists(fs.path):
+            if not overwrite:
+                raise ShardlineError(f"score output {output} appeared while scoring; the predictions stay "
+                                     f"unpublished (set score.overwrite=true)")
+            trash = fs.sibling("replaced")
+            fs.rename(fs.path, trash)
+            fs.rename(staging, fs.path)
+            fs.delete(trash)
+        else:
+            fs.rename(staging, fs.path)
+    except BaseException:
+        fs.delete(staging)
+        raise
+
+
 def _vector_accumulator(spark, width: int):
     try:
         context = spark.sparkContext
@@ -300,8 +323,9 @@ def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -
     feature_set = manifest.feature_set
     features = [f.name for f in feature_set]
     keep = list(dict.fromkeys(sc.keep_columns))
-    fs = _FS(spark, output)
-    if fs.exists(fs.path) and not sc.overwrite:
+    remote = not storage.spark_native(output)
+    fs = None if remote else _FS(spark, output)
+    if (storage.exists(output) if remote else fs.exists(fs.path)) and not sc.overwrite:
         raise ShardlineError(f"score output {output} exists; remove it or set score.overwrite=true")
     df = _prepare(_read_input(spark, input), feature_set, keep, input)
 
@@ -322,22 +346,12 @@ def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -
     fn = make_score_fn(feature_set.to_list(), model.vocabularies, model_from_flat, model.spec, model.parameters,
                        model.digest, manifest.task, labels, label_arrow, keep, sc.invalid_rows, sc.batch_size,
                        sc.threads_per_worker, sc.probabilities, counter)
-    staging = fs.sibling("staging")
-    try:
-        df.mapInArrow(fn, ddl).write.mode("errorifexists").parquet(staging)
-        if fs.exists(fs.path):
-            if not sc.overwrite:
-                raise ShardlineError(f"score output {output} appeared while scoring; the predictions stay "
-                                     f"unpublished (set score.overwrite=true)")
-            trash = fs.sibling("replaced")
-            fs.rename(fs.path, trash)
-            fs.rename(staging, fs.path)
-            fs.delete(trash)
-        else:
-            fs.rename(staging, fs.path)
-    except BaseException:
-        fs.delete(staging)
-        raise
+    if remote:
+        from pipeline.storage.spark_io import write_parquet
+
+        write_parquet(df.mapInArrow(fn, ddl), output, overwrite=sc.overwrite)
+    else:
+        _publish_local(fs, df.mapInArrow(fn, ddl), output, sc.overwrite)
     seconds = time.perf_counter() - started
 
     if counter is not None:
@@ -345,7 +359,9 @@ def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -
         input_rows, scored, invalid = int(counts[0]), int(counts[1]), int(counts[2])
         by_column = {c: int(n) for c, n in zip(features, counts[3:]) if n}
     else:
-        scored = spark.read.parquet(output).where("prediction is not null").count()
+        from pipeline.storage.spark_io import read_parquet
+
+        scored = read_parquet(spark, output).where("prediction is not null").count()
         input_rows, invalid, by_column = df.count(), -1, {}
     written = scored if sc.invalid_rows == "drop" else input_rows
     result = ScoreResult(model_uri, model.run_id, output, input_rows, scored, invalid, by_column, written,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pipeline import storage
 from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError, ShardlineError
@@ -38,7 +39,7 @@ class Promotion:
     champion_metric: Optional[float] = None
 
 
-def model_dir(cfg: PipelineConfig) -> Path:
+def model_dir(cfg: PipelineConfig) -> Path | str:
     return Workdir.of(cfg).models
 
 
@@ -66,41 +67,48 @@ def load_shards(cfg: PipelineConfig) -> Manifest:
 MODEL_ARTIFACT_DIR = "shardline"
 
 
-def _save_model(cfg: PipelineConfig, result, run_id: str) -> Path:
-    """The merged model as spec + flat state (parameters + buffers, pipeline.models.state); loaded back with
-    torch.load(weights_only=True)."""
+def _save_model(cfg: PipelineConfig, result, run_id: str) -> bytes:
+    """The merged model as spec + flat state (parameters + buffers, pipeline.models.state), saved to
+    train.model_dir (any store) and returned; loaded back with torch.load(weights_only=True)."""
+    import io
+
     import torch
 
-    folder = model_dir(cfg)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "model.pt.tmp"
     from pipeline.models.trust import seal_model
 
-    torch.save(seal_model(result.spec.to_dict(), result.parameters), tmp)
-    os.replace(tmp, folder / "model.pt")
-    (folder / "last_run.json").write_text(json.dumps({"run_id": run_id}))
-    return folder / "model.pt"
+    buffer = io.BytesIO()
+    torch.save(seal_model(result.spec.to_dict(), result.parameters), buffer)
+    storage.write_atomic(storage.join(model_dir(cfg), "model.pt"), buffer.getvalue())
+    _record_model_uri(cfg, run_id, None)
+    return buffer.getvalue()
 
 
 def _record_model_uri(cfg: PipelineConfig, run_id: str, model_uri: Optional[str]) -> None:
-    (model_dir(cfg) / "last_run.json").write_text(json.dumps({"run_id": run_id, "model_uri": model_uri}))
+    record = {"run_id": run_id, "model_uri": model_uri}
+    storage.write_atomic(storage.join(model_dir(cfg), "last_run.json"), json.dumps(record).encode())
+
+
+def _last_run(cfg: PipelineConfig) -> dict:
+    path = storage.join(model_dir(cfg), "last_run.json")
+    return json.loads(storage.read_bytes(path)) if storage.exists(path) else {}
 
 
 def load_saved_model(cfg: PipelineConfig):
     """(ModelSpec, flat state (parameters + buffers), run_id) saved by the last train step of this config."""
+    import io
+
     import torch
 
     from pipeline.models import ModelSpec
 
-    folder = model_dir(cfg)
-    path = folder / "model.pt"
-    if not path.exists():
+    path = storage.join(model_dir(cfg), "model.pt")
+    if not storage.exists(path):
         raise ShardlineError(f"no trained model at {path}; run `shardline train` (or `shardline run`) first")
     from pipeline.models.trust import allowed_factories, open_model
 
-    state = open_model(torch.load(path, weights_only=True), allowed_factories(cfg.model), str(path))
-    run_id = json.loads((folder / "last_run.json").read_text())["run_id"] if (folder / "last_run.json").exists() else None
-    return ModelSpec.from_dict(state["spec"]), state["parameters"], run_id
+    raw = io.BytesIO(storage.read_bytes(path))
+    state = open_model(torch.load(raw, weights_only=True), allowed_factories(cfg.model), str(path))
+    return ModelSpec.from_dict(state["spec"]), state["parameters"], _last_run(cfg).get("run_id")
 
 
 def tracking_uri(cfg: PipelineConfig) -> str:
@@ -165,7 +173,11 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
         run.log_metrics({k: v for k, v in result.ps_stats.items() if k.startswith(("time_", "timed_"))},
                         prefix="ps/")
     saved = _save_model(cfg, result, run.run_id)
-    run.log_file(saved, MODEL_ARTIFACT_DIR)  # spec + flat parameters: what promotion re-scores a champion with
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="shardline-model-") as tmp:  # mlflow logs local files only
+        (Path(tmp) / "model.pt").write_bytes(saved)
+        run.log_file(Path(tmp) / "model.pt", MODEL_ARTIFACT_DIR)  # spec + flat parameters: what promotion re-scores with
     return result
 
 
@@ -329,5 +341,4 @@ def promote(spark, cfg: PipelineConfig, manifest: Optional[Manifest] = None, run
 
 
 def _saved_model_uri(cfg: PipelineConfig) -> Optional[str]:
-    path = model_dir(cfg) / "last_run.json"
-    return json.loads(path.read_text()).get("model_uri") if path.exists() else None
+    return _last_run(cfg).get("model_uri")

@@ -85,3 +85,26 @@ def mlflow_server(tmp_path_factory):
             server.kill()
             server.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3-compatible server (moto's standalone server) on 127.0.0.1 with one bucket; the AWS_*
+    environment chain points at it for the session (driver, and Spark's Python workers via `s3_spark`)."""
+    from tests.s3_server import moto_server
+
+    with moto_server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_spark(spark, s3):
+    """The session's Spark with the S3 environment in its Python workers' env too: a worker inherits the
+    JVM's environment, fixed when the JVM started, plus SparkContext.environment, which is read each time
+    a Python function is shipped (so this reaches workers of a session started before the server)."""
+    spark.sparkContext.environment.update(s3.env)
+    try:
+        yield spark
+    finally:
+        for key in s3.env:
+            spark.sparkContext.environment.pop(key, None)

@@ -5,6 +5,13 @@ row-group sizes), never the data: no Arrow->JVM round trip, no sort or shuffle b
 exact row groups on every pyarrow version. Files are named by partition and task attempt, so a retried
 or speculative attempt never overwrites another's file; the driver keeps only the files that the
 successful attempts reported and deletes the rest before it commits (see pipeline/shards/write.py).
+
+Object stores (a `filesystem` other than the local one): each file is streamed straight to the store
+through pyarrow's filesystem from the task that packed it, not written to executor scratch and uploaded
+after. pyarrow's S3 output stream uploads parts as they fill (memory stays at a part, not a file) and the
+object becomes visible only when the writer closes it, so a killed task leaves no partial object (at
+most an unfinished multipart upload, which a bucket lifecycle rule aborts); a scratch copy would cost a
+second pass over the bytes and executor disk for nothing.
 """
 from __future__ import annotations
 
@@ -30,8 +37,9 @@ class _GroupWriter:
     file every rows_per_file rows."""
 
     def __init__(self, root: str, split: str, shard: int, prefix: str, schema: pa.Schema,
-                 rows_per_row_group: int, rows_per_file: int):
-        self.folder = os.path.join(root, f"split={split}", f"shard={shard}")
+                 rows_per_row_group: int, rows_per_file: int, filesystem=None):
+        self.folder = f"{root.rstrip('/')}/split={split}/shard={shard}"
+        self.filesystem = filesystem  # None: the local filesystem
         self.split, self.shard, self.prefix, self.schema = split, shard, prefix, schema
         self.rows_per_row_group, self.rows_per_file = rows_per_row_group, rows_per_file
         self.pending: list[pa.RecordBatch] = []
@@ -63,12 +71,14 @@ class _GroupWriter:
         table = pa.Table.from_batches(self.pending, schema=self.schema)
         group, rest = table.slice(0, rows), table.slice(rows)
         if self.writer is None:
-            os.makedirs(self.folder, exist_ok=True)
-            self.path = os.path.join(self.folder, f"{self.prefix}-{self.sequence:04d}.parquet")
+            if self.filesystem is None:
+                os.makedirs(self.folder, exist_ok=True)
+            self.path = f"{self.folder}/{self.prefix}-{self.sequence:04d}.parquet"
             # store_schema=False: without the Arrow schema in the footer, readers see the fixed_size_list as
             # the plain Parquet LIST it is stored as (petastorm cannot read fixed-size lists; shardline's
             # loader reads either zero-copy, the manifest holds the width).
-            self.writer = pq.ParquetWriter(self.path, self.schema, compression="snappy", store_schema=False)
+            self.writer = pq.ParquetWriter(self.path, self.schema, compression="snappy", store_schema=False,
+                                           filesystem=self.filesystem)
             self.sequence += 1
         self.writer.write_table(group, row_group_size=rows)
         self.groups.append(rows)
@@ -92,8 +102,10 @@ def make_write_fn(
     root: str,
     rows_per_row_group: int,
     rows_per_file: int,
+    filesystem=None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """Build the mapInArrow body: pack each input batch, route its rows to their (split, shard) files."""
+    """Build the mapInArrow body: pack each input batch, route its rows to their (split, shard) files.
+    `filesystem`: a pyarrow FileSystem `root` is a path in (None: local paths)."""
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import numpy as np
@@ -115,7 +127,7 @@ def make_write_fn(
                 writer = writers.get((split, int(shard)))
                 if writer is None:
                     writer = writers[(split, int(shard))] = _GroupWriter(
-                        root, split, int(shard), prefix, data.schema, rows_per_row_group, rows_per_file)
+                        root, split, int(shard), prefix, data.schema, rows_per_row_group, rows_per_file, filesystem)
                 writer.add(data.take(pa.array(rows)))
         files = [f for key in sorted(writers) for f in writers[key].close()]
         yield pa.RecordBatch.from_pylist(files, schema=_files_schema())

@@ -246,6 +246,9 @@ class TrainConfig(_Section):
     max_attempts: int = Field(3, ge=1, le=100)
     # Durable checkpoints (local path or any fsspec URL); default <workdir>/checkpoints/<name>.
     checkpoint_dir: Optional[str] = None
+    # Where the trained model is saved (model.pt, last_run.json): a local path or an object-store URL
+    # (s3://, gs://, abfss://); default <workdir>/models/<name>.
+    model_dir: Optional[str] = Field(None, min_length=1)
     # Checkpoint every N applied PS steps (0: only at the end); the newest keep_checkpoints are kept.
     checkpoint_every: int = Field(200, ge=0)
     keep_checkpoints: int = Field(3, ge=1, le=1000)  # newest checkpoints kept; older ones are pruned

@@ -6,7 +6,7 @@
     <workdir>/raw/clicks-<spec>                 landed synthetic click log (data.source=clicks; data.path overrides)
     <workdir>/shards/<name>                     the shard set (data.shards_dir overrides)
     <workdir>/shards/<name>/<column>=<value>    one workflow partition's shard set
-    <workdir>/models/<name>                     the last trained model (model.pt, last_run.json)
+    <workdir>/models/<name>                     the last trained model (model.pt, last_run.json; train.model_dir overrides)
     <workdir>/checkpoints/<name>                durable checkpoints (train.checkpoint_dir overrides)
     <workdir>/workflow/<name>                   the workflow's processed-partition state (workflow.state_dir overrides)
     <workdir>/mlflow.db                         the default tracking store (tracking.uri, $MLFLOW_TRACKING_URI override)
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config.schema import DataConfig, PipelineConfig
+from pipeline.storage import is_remote, join
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 SQLITE_PREFIX = "sqlite:///"
@@ -108,11 +109,12 @@ class Workdir:
     checkpoint_dir: Optional[str] = None  # train.checkpoint_dir
     state_dir: Optional[str] = None  # workflow.state_dir
     configured_tracking_uri: Optional[str] = None  # tracking.uri
+    model_dir: Optional[str] = None  # train.model_dir
 
     @classmethod
     def of(cls, cfg: PipelineConfig) -> "Workdir":
         return cls(cfg.workdir, cfg.name, cfg.data, cfg.train.checkpoint_dir, cfg.workflow.state_dir,
-                   cfg.tracking.uri)
+                   cfg.tracking.uri, model_dir=cfg.train.model_dir)
 
     @property
     def root(self) -> Path:
@@ -140,16 +142,22 @@ class Workdir:
         return raw_clicks(self.data, self.path)
 
     @property
-    def shards(self) -> Path:
-        """This config's shard set: data.shards_dir, else <workdir>/shards/<name>."""
+    def shards(self) -> Path | str:
+        """This config's shard set: data.shards_dir, else <workdir>/shards/<name>. An object-store URL
+        (s3://...) stays a str: a Path would fold its '//'."""
+        if self.data.shards_dir and is_remote(self.data.shards_dir):
+            return self.data.shards_dir.rstrip("/")
         return Path(self.data.shards_dir) if self.data.shards_dir else Path(self.path) / "shards" / self.name
 
-    def shard_partition(self, column: str, value: str) -> Path:
+    def shard_partition(self, column: str, value: str) -> Path | str:
         """The shard set of one workflow partition, inside the shard set the partitions merge into."""
-        return self.shards / f"{column}={value}"
+        return join(self.shards, f"{column}={value}") if is_remote(self.shards) else self.shards / f"{column}={value}"
 
     @property
-    def models(self) -> Path:
+    def models(self) -> Path | str:
+        """train.model_dir (an object-store URL stays a str), else <workdir>/models/<name>."""
+        if self.model_dir:
+            return self.model_dir.rstrip("/") if is_remote(self.model_dir) else Path(self.model_dir)
         return Path(self.path) / "models" / self.name
 
     @property

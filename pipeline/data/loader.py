@@ -18,18 +18,18 @@ def read_tensors(files: Sequence[str], features_field: str = "features", label_f
     """Read Parquet shard files into (inputs dict of tensors, labels) — see pipeline.config.feature_spec."""
     import numpy as np
     import pyarrow as pa
-    import pyarrow.parquet as pq
     import torch
 
     from pipeline.data.arrow_read import read_row_group
     from pipeline.errors import DataError, shard_read_error
+    from pipeline.storage import open_parquet
 
     if not files:
         raise DataError("no shard files to read for this rank")
     parts, labels = [], []
     for path in files:
         try:
-            parquet = pq.ParquetFile(path)
+            parquet = open_parquet(path)
         except (pa.ArrowInvalid, OSError) as exc:
             raise shard_read_error(f"cannot read shard file {path}: {exc}; re-run `shardline etl`", exc) from None
         for index in range(parquet.metadata.num_row_groups):

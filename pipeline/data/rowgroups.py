@@ -22,9 +22,9 @@ def row_groups(files: Sequence[str], counts: Optional[Sequence[Sequence[int]]] =
     """Every row group of `files`; `counts[i]` (per-row-group rows of file i, e.g. from the manifest)
     saves opening the footers."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from pipeline.errors import DataError, shard_read_error
+    from pipeline.storage import open_parquet
 
     if not files:
         raise DataError("no shard files to read for this rank")
@@ -34,7 +34,7 @@ def row_groups(files: Sequence[str], counts: Optional[Sequence[Sequence[int]]] =
             groups += [RowGroup(path, g, int(rows)) for g, rows in enumerate(counts[i])]
             continue
         try:
-            metadata = pq.ParquetFile(path).metadata
+            metadata = open_parquet(path).metadata
         except (pa.ArrowInvalid, OSError) as exc:
             raise shard_read_error(f"cannot read shard file {path}: {exc}; re-run `shardline etl`", exc) from None
         groups += [RowGroup(path, g, metadata.row_group(g).num_rows) for g in range(metadata.num_row_groups)]

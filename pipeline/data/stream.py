@@ -76,10 +76,9 @@ class StreamingLoader:
 
     # -- sources of (features, labels) chunks, in epoch order ---------------------------------------
     def _arrow_chunks(self, epoch: int, stop: threading.Event) -> Iterator[tuple]:
-        import pyarrow.parquet as pq
-
         from pipeline.data.arrow_read import read_row_group
         from pipeline.errors import DataError
+        from pipeline.storage import open_parquet
 
         order = list(self.groups)
         if self.shuffle:
@@ -89,7 +88,7 @@ class StreamingLoader:
         def read(group: RowGroup):
             files = local.__dict__.setdefault("files", {})  # one open ParquetFile per file per thread
             if group.path not in files:
-                files[group.path] = pq.ParquetFile(group.path)
+                files[group.path] = open_parquet(group.path)  # object stores: ranged reads, pre-buffered
             features, labels = read_row_group(files[group.path], group.path, group.index, self.features_field,
                                               self.label_field, self.num_features, self.features)
             if len(labels) != group.rows:

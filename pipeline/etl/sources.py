@@ -167,4 +167,11 @@ def read_source(spark, data: DataConfig, workdir: str):
     local = _local_path(path)
     if local is not None:
         check_parquet_files(local, data)
-    return spark.read.parquet(path)
+        return spark.read.parquet(path)
+    from pipeline.storage import spark_native
+
+    if spark_native(path):  # hdfs://, dbfs:/...: Spark reads them itself
+        return spark.read.parquet(path)
+    from pipeline.storage.spark_io import read_parquet
+
+    return read_parquet(spark, path)

@@ -17,6 +17,7 @@ from pipeline.evaluate.metrics import (EvalResult, classification_metrics, class
 from pipeline.errors import DataError
 from pipeline.models import ModelSpec
 from pipeline.shards import Manifest
+from pipeline.storage.spark_io import read_parquet
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def evaluate(spark, manifest: Manifest, spec: ModelSpec, parameters, split: str 
                            manifest.num_features, num_classes)
     try:
         columns = shard_columns(manifest.feature_set, manifest.features_field) + [manifest.label_field]
-        partials = spark.read.parquet(*files).select(*columns).mapInArrow(fn, "partial array<double>").collect()
+        partials = read_parquet(spark, files, columns).mapInArrow(fn, "partial array<double>").collect()
     finally:
         shipped.unpersist()
     total = np.sum([np.asarray(r["partial"]) for r in partials], axis=0)

@@ -2,7 +2,8 @@
 
 manifest.json sits at the root of a shard set and is the only way the rest of the pipeline finds
 shards: per-split, per-shard file lists with row counts, the feature schema, train-split statistics,
-the label mapping and a content fingerprint.
+the label mapping and a content fingerprint. On an object store the shard files live under a fresh
+per-ETL prefix the manifest names (`data_prefix`, see pipeline/shards/publish.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline import storage
 from pipeline.errors import ManifestError
 
 MANIFEST_NAME = "manifest.json"
@@ -60,7 +62,15 @@ class Manifest:
     # The fitted feature spec (FeatureSpec dicts, in configuration order); empty on classic numeric-only
     # shard sets written before typed features, which `feature_set` then describes from the columns above.
     features: tuple[dict, ...] = ()
+    # Object stores: the folder below the root that holds this set's files (each ETL writes a fresh one
+    # and publishes the manifest last); "" for local sets, whose files sit at the root.
+    data_prefix: str = ""
     root: str = ""  # where it was loaded from; not serialized
+
+    @property
+    def data_root(self) -> str:
+        """Where the files listed in the manifest (and the vocabularies) are, relative paths joined to it."""
+        return storage.join(self.root, self.data_prefix) if self.data_prefix else self.root
 
     @property
     def feature_set(self):
@@ -79,9 +89,10 @@ class Manifest:
         if not spec.vocabulary:
             raise ManifestError(f"feature {name!r} of {self.root or self.name} has no vocabulary ({spec.type}"
                                 f"{', hash buckets' if spec.hash_buckets else ''})")
-        path = os.path.join(self.root, spec.vocabulary)
+        path = storage.join(self.data_root, spec.vocabulary)
         try:
-            return pq.read_table(path, columns=["value"]).column("value").combine_chunks()
+            fs, inside = storage.resolve(path)
+            return pq.read_table(inside, columns=["value"], filesystem=fs).column("value").combine_chunks()
         except (OSError, KeyError) as exc:
             raise ManifestError(f"cannot read the vocabulary of feature {name!r} at {path}: {exc}; "
                                 "re-run `shardline etl`") from None
@@ -92,7 +103,7 @@ class Manifest:
 
     def vocabulary_files(self) -> dict[str, str]:
         """name -> absolute path of its vocabulary file."""
-        return {f.name: os.path.join(self.root, f.vocabulary) for f in self.feature_set if f.vocabulary}
+        return {f.name: storage.join(self.data_root, f.vocabulary) for f in self.feature_set if f.vocabulary}
 
     @property
     def num_features(self) -> int:
@@ -112,7 +123,7 @@ class Manifest:
     def files(self, split: str, shard: Optional[int] = None) -> list[str]:
         """Absolute paths of one shard's files, or of the whole split."""
         chosen = self.split(split).shards if shard is None else [self.split(split).shards[shard]]
-        return [os.path.join(self.root, f.path) for s in chosen for f in s.files]
+        return [storage.join(self.data_root, f.path) for s in chosen for f in s.files]
 
     def row_group_rows(self, split: str, shard: Optional[int] = None) -> list[list[int]]:
         """Per file of `files(split, shard)`, the rows of each row group (empty lists for old manifests)."""
@@ -124,12 +135,19 @@ class Manifest:
         data.pop("root")
         return data
 
-    def write(self, directory: str | os.PathLike) -> Path:
+    def write(self, directory: str | os.PathLike) -> str:
+        """Write manifest.json atomically: one PUT on an object store (the object appears whole), a
+        temporary file renamed into place locally."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if storage.is_remote(directory):
+            path = storage.join(directory, MANIFEST_NAME)
+            storage.write_bytes(path, text.encode())
+            return path
         path = Path(directory) / MANIFEST_NAME
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+        tmp.write_text(text)
         os.replace(tmp, path)
-        return path
+        return str(path)
 
 
 def _split_from_dict(data: dict[str, Any]) -> SplitShards:
@@ -141,12 +159,15 @@ def _split_from_dict(data: dict[str, Any]) -> SplitShards:
 
 def load_manifest(directory: str | os.PathLike) -> Manifest:
     """Read and check a shard set's manifest; errors say which file and what to do."""
-    root = Path(directory)
-    path = root / MANIFEST_NAME
-    if not path.exists():
-        raise ManifestError(f"no shard manifest at {path}; run `shardline etl` (or the etl job) first")
+    remote = storage.is_remote(directory)
+    root = str(directory).rstrip("/") if remote else Path(directory)
+    path = storage.join(root, MANIFEST_NAME) if remote else root / MANIFEST_NAME
     try:
-        data = json.loads(path.read_text())
+        text = storage.read_bytes(path).decode() if remote else path.read_text()
+    except FileNotFoundError:
+        raise ManifestError(f"no shard manifest at {path}; run `shardline etl` (or the etl job) first") from None
+    try:
+        data = json.loads(text)
         if data.get("format_version") != FORMAT_VERSION:
             raise ManifestError(f"{path} has format_version {data.get('format_version')}, this shardline reads "
                                 f"{FORMAT_VERSION}; re-run `shardline etl`")
@@ -158,28 +179,39 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
             splits={name: _split_from_dict(s) for name, s in data["splits"].items()},
             fingerprint=data["fingerprint"], etl_report=data.get("etl_report", {}),
             features_field=data["features_field"], label_field=data["label_field"],
-            features=tuple(data.get("features") or ()), root=str(root))
+            features=tuple(data.get("features") or ()), data_prefix=data.get("data_prefix", ""), root=str(root))
     except ManifestError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(f"{path} is not a valid shard manifest ({type(exc).__name__}: {exc}); "
                             "re-run `shardline etl`") from None
-    missing = [f for name in manifest.splits for f in manifest.files(name) if not os.path.exists(f)]
+    missing = _missing_files(manifest)
     if missing:
         raise ManifestError(f"{len(missing)} shard file(s) listed in {path} are missing, e.g. {missing[0]}; "
                             "re-run `shardline etl`")
     return manifest
 
 
+def _missing_files(manifest: Manifest) -> list[str]:
+    listed = [f for name in manifest.splits for f in manifest.files(name)]
+    if not storage.is_remote(manifest.root):
+        return [f for f in listed if not os.path.exists(f)]
+    # One listing of the set's prefix instead of a HEAD request per file.
+    present = set(storage.list_files(manifest.data_root)) if listed else set()
+    return [f for f in listed if storage.resolve(f)[1] not in present]
+
+
 def fingerprint_files(root: str | os.PathLike, relative_paths: list[str], header: dict[str, Any]) -> str:
     """sha256 over the manifest's content-defining fields and every shard file's bytes, in a fixed order.
 
-    File names (which carry a random write id) are left out, so the same data gives the same fingerprint.
+    File names (which carry a random write id) are left out, so the same data gives the same fingerprint,
+    on any store (`root` a local path or a URL).
     """
     digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    fs, base = storage.resolve(root)
     for rel in sorted(relative_paths):
         digest.update(os.path.dirname(rel).encode())
-        with open(os.path.join(root, rel), "rb") as fh:
+        with fs.open_input_stream(f"{base}/{rel}") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
     return "sha256:" + digest.hexdigest()

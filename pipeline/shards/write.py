@@ -1,8 +1,9 @@
 """Write a packed DataFrame as balanced Parquet shards per split, plus manifest.json, atomically.
 
-Everything goes to a hidden staging folder beside the target; only when every file and the manifest
-are written is the staging folder renamed into place. A failed or killed ETL leaves the previous shard
-set (or nothing) — never a half-written one.
+Locally everything goes to a hidden staging folder beside the target; only when every file and the
+manifest are written is the staging folder renamed into place. On an object store (no rename) the files
+go under a fresh prefix inside the target and the manifest is published last (pipeline/shards/publish.py).
+Either way a failed or killed ETL leaves the previous shard set (or nothing) — never a half-written one.
 """
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from pipeline import storage
 from pipeline.config.workdir import hidden_sibling
 from pipeline.errors import DataError
 from pipeline.shards.manifest import Manifest, Shard, ShardFile, SplitShards, fingerprint_files
+from pipeline.shards.publish import collect_garbage, fresh_prefix, published_prefix, remove_unreported
 
 log = logging.getLogger(__name__)
 
@@ -37,39 +40,30 @@ def commit(staging: Path, target: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
 
 
-def _shards_from_files(root: Path, split: str, num_shards: int, files: list[dict]) -> SplitShards:
+def _shards_from_files(root: str, split: str, num_shards: int, files: list[dict],
+                       sizes: dict[str, int]) -> SplitShards:
+    """`root`: the filesystem path the writers wrote under; `sizes`: one listing of it (fs path -> bytes)."""
     by_shard: dict[int, list[ShardFile]] = {i: [] for i in range(num_shards)}
     for f in sorted(files, key=lambda f: f["path"]):
         if f["split"] != split:
             continue
-        path = Path(f["path"])
-        by_shard[f["shard"]].append(ShardFile(path=str(path.relative_to(root)), rows=f["rows"],
-                                              bytes=path.stat().st_size, row_groups=tuple(f["row_groups"])))
+        by_shard[f["shard"]].append(ShardFile(path=f["path"][len(root) + 1:], rows=f["rows"],
+                                              bytes=sizes[f["path"]], row_groups=tuple(f["row_groups"])))
     shards = [Shard(index=i, rows=sum(f.rows for f in fs), files=tuple(fs)) for i, fs in by_shard.items()]
     return SplitShards(rows=sum(s.rows for s in shards), shards=tuple(shards))
 
 
-def _write_vocabularies(root: Path, vocabularies: Mapping[str, Any]) -> list[str]:
+def _write_vocabularies(root: str, vocabularies: Mapping[str, Any]) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     written = []
     for relative, values in sorted(vocabularies.items()):
-        path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.table({"value": pa.array(values, pa.string())}), path, compression="zstd")
+        fs, path = storage.resolve(storage.join(root, relative))
+        storage.ensure_dir(fs, os.path.dirname(path))
+        pq.write_table(pa.table({"value": pa.array(values, pa.string())}), path, compression="zstd", filesystem=fs)
         written.append(relative)
     return written
-
-
-def _remove_unreported(root: Path, reported: set[str]) -> int:
-    """Delete files that no successful task attempt reported (failed or speculative attempts)."""
-    removed = 0
-    for file in root.rglob("*.parquet"):
-        if str(file) not in reported:
-            file.unlink()
-            removed += 1
-    return removed
 
 
 def write_shards(
@@ -97,7 +91,7 @@ def write_shards(
     Each task writes its own rows of every (split, shard) it holds (no shuffle), so a shard is one file
     per input partition, or more past rows_per_file; row groups hold exactly rows_per_row_group rows
     (the loader's read unit) except the last of a file. `target` must be visible to the driver and every
-    executor (a local path in local mode; a shared mount such as NFS or /dbfs on a cluster).
+    executor: a local path in local mode, a shared mount (NFS, /dbfs), or an object-store URL (s3://...).
 
     `features` are the fitted FeatureSpec dicts; `vocabularies` maps a FeatureSpec.vocabulary path
     (relative to the shard set) to its values (an Arrow string array), written as one-column Parquet files
@@ -105,17 +99,27 @@ def write_shards(
     """
     from udfs.shard_writer import FILES_SCHEMA_DDL, make_write_fn
 
-    target = Path(target).absolute()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(target)
+    remote = storage.is_remote(target)
+    if remote:
+        target, prefix = str(target).rstrip("/"), fresh_prefix()
+        root = storage.join(target, prefix)
+        previous = published_prefix(target)
+    else:
+        target, prefix = Path(target).absolute(), ""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        root = staging = staging_dir(target)
+    fs, root_path = storage.resolve(root)
+    published = False
     try:
-        staging.mkdir()
-        write = make_write_fn(pack, str(staging), rows_per_row_group, rows_per_file)
+        if not remote:
+            staging.mkdir()
+        write = make_write_fn(pack, root_path, rows_per_row_group, rows_per_file, fs if remote else None)
         files = [row.asDict() for row in df.mapInArrow(write, FILES_SCHEMA_DDL).collect()]
-        removed = _remove_unreported(staging, {f["path"] for f in files})
+        removed = remove_unreported(str(root), {f["path"] for f in files})
         if removed:
             log.info("removed %d file(s) left by failed or duplicate task attempts", removed)
-        splits = {split: _shards_from_files(staging, split, num_shards[split], files) for split in SPLITS}
+        sizes = storage.list_files(root)
+        splits = {split: _shards_from_files(root_path, split, num_shards[split], files, sizes) for split in SPLITS}
         for split, info in splits.items():
             counts = [s.rows for s in info.shards]
             if counts and max(counts) - min(counts) > 1:
@@ -125,17 +129,26 @@ def write_shards(
         if features:
             header["features"] = list(features)
         files = [f.path for info in splits.values() for s in info.shards for f in s.files]
-        files += _write_vocabularies(staging, vocabularies or {})
+        files += _write_vocabularies(str(root), vocabularies or {})
         manifest = Manifest(
             name=name, task=task, feature_columns=tuple(feature_columns), label_column=label_column,
             label_mapping=tuple(label_mapping) if label_mapping is not None else None,
             standardized=standardized, means=tuple(means), stds=tuple(stds), splits=splits,
-            fingerprint=fingerprint_files(staging, files, header), etl_report=dict(etl_report),
-            features=tuple(features))
-        manifest.write(staging)
-        commit(staging, target)
+            fingerprint=fingerprint_files(root, files, header), etl_report=dict(etl_report),
+            features=tuple(features), data_prefix=prefix)
+        if remote:
+            manifest.write(target)  # the publish: readers switch to the new set here
+        else:
+            manifest.write(staging)
+            commit(staging, target)
+        published = True
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if not remote:
+            shutil.rmtree(staging, ignore_errors=True)
+        elif not published:
+            storage.delete_dir(root)  # best effort; a killed ETL's prefix goes with the next publish
+    if remote:
+        collect_garbage(target, prefix, keep=previous)
     log.info("committed shard set %s: %s", target,
              ", ".join(f"{k} {v.rows} rows in {len(v.shards)} shards" for k, v in manifest.splits.items()))
     return dataclasses.replace(manifest, root=str(target))

@@ -199,13 +199,24 @@ class TrackedRun:
     def log_manifest(self, manifest) -> None:
         """The shard set's manifest.json as ``data/manifest.json`` and its vocabularies as
         ``data/vocab/<feature>.parquet``: what ``shardline score`` rebuilds the Transform from."""
-        self.log_file(Path(manifest.root) / MANIFEST_FILE, DATA_DIR)
+        from pipeline import storage
+
+        if not storage.is_remote(manifest.root):
+            self.log_file(Path(manifest.root) / MANIFEST_FILE, DATA_DIR)
+        else:  # mlflow uploads local files only
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="shardline-manifest-") as tmp:
+                (Path(tmp) / MANIFEST_FILE).write_bytes(storage.read_bytes(storage.join(manifest.root, MANIFEST_FILE)))
+                self.log_file(Path(tmp) / MANIFEST_FILE, DATA_DIR)
         self.log_vocabularies(manifest)
 
     def log_vocabularies(self, manifest) -> None:
         """Each vocabulary file of ``manifest`` as ``data/vocab/<feature>.parquet`` (none: nothing)."""
         import shutil
         import tempfile
+
+        from pipeline import storage
 
         files = manifest.vocabulary_files()
         if not files:
@@ -214,7 +225,10 @@ class TrackedRun:
             for name, path in files.items():
                 if os.sep in name or name in (".", ".."):
                     raise TrackingError(f"feature name {name!r} cannot name a vocabulary artifact")
-                shutil.copyfile(path, Path(tmp) / f"{name}.parquet")
+                if storage.is_remote(path):
+                    (Path(tmp) / f"{name}.parquet").write_bytes(storage.read_bytes(path))
+                else:
+                    shutil.copyfile(path, Path(tmp) / f"{name}.parquet")
             self._client.log_artifacts(self.run_id, tmp, VOCAB_ARTIFACT_DIR)
 
     def log_file(self, path: str | os.PathLike, artifact_dir: str | None = None) -> None:

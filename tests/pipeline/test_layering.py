@@ -11,28 +11,30 @@ REPO = Path(__file__).resolve().parents[2]
 
 # module -> pipeline modules it may import (besides itself and pipeline.errors)
 ALLOWED = {
-    "config": set(),
+    "config": {"storage"},
     "errors": set(),
-    "etl": {"config", "shards"},
-    "shards": {"config"},
-    "data": {"shards"},
+    "storage": set(),
+    "etl": {"config", "shards", "storage"},
+    "shards": {"config", "storage"},
+    "data": {"shards", "storage"},
     "models": {"config", "ps"},  # ShardlineEmbedding: a sparse table's spec and seeded rows (pipeline.ps.sparse)
     "wire": set(),
     "ps": {"wire"},
-    "checkpoints": set(),
+    "checkpoints": {"storage"},
     "parallel": {"ps", "models", "wire", "data"},
     "worker": {"data", "models", "ps", "parallel", "wire"},
-    "launch": {"config", "worker", "ps", "shards", "models", "data", "checkpoints", "parallel", "wire"},
-    "evaluate": {"models", "shards", "data"},
-    "tracking": {"config"},
+    "launch": {"config", "worker", "ps", "shards", "models", "data", "checkpoints", "parallel", "wire", "storage"},
+    "evaluate": {"models", "shards", "data", "storage"},
+    "tracking": {"config", "storage"},
     "session": {"config"},
     "notebook": set(),
-    "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints"},
+    "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints",
+              "storage"},
     "workflow": {"config", "etl", "shards", "steps", "tracking"},
     "tune": {"config", "steps", "tracking"},
     "cli": {"config", "session", "steps", "workflow", "score", "tune"},
     "spark_ml": {"config", "etl", "launch", "evaluate", "models", "steps", "tracking"},
-    "score": {"config", "shards", "models", "tracking"},
+    "score": {"config", "shards", "models", "tracking", "storage"},
 }
 
 
