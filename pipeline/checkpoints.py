@@ -199,6 +199,9 @@ class CheckpointMeta:
     extra: dict = field(default_factory=dict)
     # Marks one launch's checkpoints (ps.placement=task: a retry resumes only from its own run's).
     launch_id: Optional[str] = None
+    # Where the run's steps fall in its epochs (pipeline.data.assignment.StreamPlan.record()): what a resume
+    # with another parallelism.data re-cuts the interrupted epoch from. None in checkpoints made before it.
+    stream: Optional[dict] = None
 
     def for_launch(self, launch_id: str) -> "CheckpointMeta":
         return replace(self, launch_id=launch_id)
@@ -206,14 +209,15 @@ class CheckpointMeta:
     def record(self) -> dict[str, Any]:
         """The plain values stored in the checkpoint file."""
         values = asdict(self)
-        if values["launch_id"] is None:
-            del values["launch_id"]
+        for key in ("launch_id", "stream"):
+            if values[key] is None:
+                del values[key]
         return values
 
 
-def check_compatible(state: dict[str, Any], path: str, *, fingerprint: str, model: dict, world_size: int,
-                     mode: str, steps_per_epoch: int) -> None:
-    """Refuse to resume a checkpoint that belongs to other data, another model or another layout."""
+def check_compatible(state: dict[str, Any], path: str, *, fingerprint: str, model: dict, mode: str) -> None:
+    """Refuse to resume a checkpoint that belongs to other data, another model or another ps.mode. The
+    worker count and batch size may change (launch/elastic.py decides what a change needs)."""
     problems = []
     if state["fingerprint"] != fingerprint:
         problems.append(f"it was trained on shard set {state['fingerprint']}, the shards now are {fingerprint} "
@@ -221,10 +225,6 @@ def check_compatible(state: dict[str, Any], path: str, *, fingerprint: str, mode
     if state["model"] != model:
         problems.append(f"its model is {state['model']}, the config now builds {model} (use the same model.* "
                         "settings, or start fresh)")
-    if state["world_size"] != world_size or state["steps_per_epoch"] != steps_per_epoch:
-        problems.append(f"it ran {state['world_size']} workers x {state['steps_per_epoch']} steps/epoch, the config "
-                        f"now gives {world_size} x {steps_per_epoch} (use the same parallelism.data and "
-                        "train.batch_size)")
     if state["mode"] != mode:
         problems.append(f"it ran ps.mode={state['mode']}, the config says {mode}")
     if problems:

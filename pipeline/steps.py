@@ -144,9 +144,13 @@ def _resume_run_id(cfg: PipelineConfig, resume: bool) -> Optional[str]:
 def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: bool = False,
                 initial_parameters=None, on_epoch=None, stoppable: bool = False):
     from pipeline.launch import train as launch_train
+    from pipeline.launch.elastic import fit_workers
 
+    asked = cfg.parallelism.data
+    cfg = fit_workers(spark, cfg)  # train.min_workers: the params say what ran, and what was asked
     if not resume:  # a resumed run logged its params already (MLflow refuses to change them)
-        run.log_params(cfg.model_dump(mode="json"))
+        run.log_params({**cfg.model_dump(mode="json"), **({"parallelism.data_asked": asked}
+                                                          if asked != cfg.parallelism.data else {})})
     run.set_tags({"shardline.fingerprint": manifest.fingerprint, "shardline.workers": str(cfg.parallelism.data)})
     run.log_manifest(manifest)  # manifest.json + vocabularies: what scoring rebuilds the preprocessing from
     run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),

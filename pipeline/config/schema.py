@@ -262,6 +262,10 @@ class TrainConfig(_Section):
     # Per-step timing breakdown (data wait, forward, backward, exchange parts, ...) in every epoch row
     # as time/*_ms; off: no extra clock reads in the step loop.
     profile: bool = False
+    # Elastic start: when preflight finds fewer task slots than parallelism.data, train with the slots there
+    # are if at least this many (logged as a WARNING, recorded as the MLflow param parallelism.data_asked);
+    # null: fail instead. The workers that ran are recorded in the checkpoints; --resume may use another count.
+    min_workers: Optional[int] = Field(None, ge=1, le=1024)
 
 
 class PSConfig(_Section):
@@ -371,6 +375,9 @@ class FaultsConfig(_Section):
     explode_factor: float = Field(1e6, gt=0)  # explode_rank's loss multiplier
     # Faults fire in the first `attempts` barrier attempts only, so a driver retry can succeed.
     attempts: int = Field(1, ge=1)
+    # Test/drill hook: every rank appends each applied step's (epoch, step, row digests) to a JSON-lines file
+    # in this folder (exactly-once checks across retries and resumes); null: off. Active in every attempt.
+    record_rows_dir: Optional[str] = Field(None, min_length=1)
 
 
 class WorkflowConfig(_Section):

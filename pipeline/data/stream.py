@@ -1,13 +1,17 @@
-"""One rank's shard files -> torch batches, streamed a row group at a time with bounded memory.
+"""Shard files -> torch batches for one rank, streamed a row group at a time with bounded memory.
 
-Per epoch: row groups in a seeded random order -> decoded ahead by reader threads (a bounded window)
--> a fixed-size shuffle buffer, which hands every row beyond its capacity on as one randomly ordered
-block per row group (a single vectorised gather) -> exactly `steps_per_epoch` batches whose sizes differ
-by at most one, zero-copy slices of those blocks, covering every row of the rank once -> a bounded queue
-filled by a prefetch thread -> the caller. A batch is (inputs, labels): inputs the dict of tensors
-described in pipeline.config.feature_spec (`numeric`, then one entry per other feature).
-Memory is O(shuffle_buffer_rows + row group x (reader_threads + 2) + batch x prefetch), whatever the
-shard size.
+Arrow reader (the default): every rank is handed all train files and reads its part of the epoch's
+global row stream (pipeline.data.assignment: row groups in a seeded order, rows permuted within windows
+of data.shuffle_buffer_rows rows, the stream cut into one contiguous part per rank), so which rows a
+rank trains on follows from (seed, epoch, world size) alone and a resumed run may have another world
+size. Row groups are decoded ahead by reader threads (pipeline.data.planned) -> exactly
+`steps_per_epoch` batches whose sizes differ by at most one -> a bounded queue filled by a prefetch
+thread -> the caller. A batch is (inputs, labels): inputs the dict of tensors described in
+pipeline.config.feature_spec (`numeric`, then one entry per other feature). Memory is
+O(window + row group x (reader_threads + 2) + batch x prefetch), whatever the shard size.
+
+Petastorm reader (the LTS lane): the rank's own shard files through a fixed-size shuffle buffer, as
+before; it cannot change world size on resume.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import threading
 from collections import deque
 from typing import Callable, Iterator, Optional, Sequence
 
+from pipeline.data.assignment import Segment, cut, epoch_windows, pieces, position, span, take
 from pipeline.data.rowgroups import RowGroup, batch_sizes, epoch_rng, row_groups
 
 log = logging.getLogger(__name__)
@@ -26,17 +31,20 @@ READERS = ("arrow", "petastorm")
 
 
 class StreamingLoader:
-    """Yields exactly `steps_per_epoch` batches per epoch covering every row of the rank's files once.
+    """Yields exactly `steps_per_epoch` batches per epoch covering every row of rank `rank`'s part once.
 
-    The row-group order and the shuffle buffer are seeded by (seed, rank, epoch): reproducible,
-    different per epoch and per rank. `shuffle=False` reads the files in order.
+    Arrow: `files` are all the train files; rank `rank` of `world` reads part `rank` of each epoch's
+    stream (seeded by (seed, epoch): reproducible, different per epoch; `shuffle=False` keeps file order).
+    `resumed` is the segment of a resumed epoch (what an interrupted run left of it, maybe under another
+    world size). Petastorm: `files` are the rank's own shard files, shuffled by (seed, rank, epoch).
     """
 
     def __init__(self, files: Sequence[str], *, steps_per_epoch: int, seed: int, rank: int,
                  features_field: str = "features", label_field: str = "label", num_features: Optional[int] = None,
                  row_group_rows: Optional[Sequence[Sequence[int]]] = None, shuffle: bool = True,
                  shuffle_buffer_rows: int = 65_536, prefetch: int = 2, reader_threads: int = 1,
-                 reader: str = "arrow", pin_memory: Optional[bool] = None, features=None):
+                 reader: str = "arrow", pin_memory: Optional[bool] = None, features=None, world: Optional[int] = None,
+                 resumed: Optional[Segment] = None):
         from pipeline.errors import DataError
 
         if steps_per_epoch < 1:
@@ -50,12 +58,26 @@ class StreamingLoader:
         self.features = features  # a FeatureSet (None: the classic packed numeric block)
         self.files = list(files)
         self.groups: list[RowGroup] = row_groups(self.files, row_group_rows)
-        self.num_rows = sum(g.rows for g in self.groups)
+        self.total_rows = sum(g.rows for g in self.groups)
+        if world is not None and not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}), got {rank}")
+        if reader == "petastorm" and resumed is not None:
+            raise DataError("data.reader=petastorm reads each rank's own shard files: a run cannot resume with "
+                            "another parallelism.data (or mid-epoch on a new layout); set data.reader=arrow, or "
+                            "resume with the parallelism.data the run started with")
+        # world None: `files` are this rank's alone (a caller that already split them): the whole stream is
+        # its part, seeded by rank too so ranks differ.
+        self.world, self.resumed = world or 1, resumed
+        self.steps_per_epoch = steps_per_epoch
+        self.seed, self.rank = seed, rank
+        self._part = rank if world is not None else 0
+        self._stream_seed = seed if world is not None else [seed % 2**64, rank]
+        # Rows of this rank in a whole epoch (arrow: its part of the stream; petastorm: its files).
+        self.num_rows = (self.total_rows if reader == "petastorm"
+                         else span(cut(((0, self.total_rows),), self.world)[self._part]))
         if self.num_rows < steps_per_epoch:
             raise DataError(f"rank {rank} holds {self.num_rows} rows, fewer than the {steps_per_epoch} steps per "
                             "epoch; lower train.batch_size's effect or use fewer workers")
-        self.steps_per_epoch = steps_per_epoch
-        self.seed, self.rank = seed, rank
         self.features_field, self.label_field = features_field, label_field
         self.num_features = num_features
         self.shuffle = shuffle
@@ -64,7 +86,8 @@ class StreamingLoader:
         self.reader_threads = max(1, reader_threads)
         self.reader = reader
         self.pin_memory = pin_memory
-        self.peak_buffered_rows = 0  # largest shuffle-buffer fill seen (for memory tests and logs)
+        # Largest shuffle-buffer fill (petastorm) or shuffle window (arrow) seen, for memory tests and logs.
+        self.peak_buffered_rows = 0
         self._sizes = batch_sizes(self.num_rows, steps_per_epoch)
         if reader == "petastorm":
             from pipeline.data.petastorm_source import check_petastorm
@@ -74,18 +97,24 @@ class StreamingLoader:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
-    # -- sources of (features, labels) chunks, in epoch order ---------------------------------------
-    def _arrow_chunks(self, epoch: int, stop: threading.Event) -> Iterator[tuple]:
+    # -- the arrow reader: this rank's part of the epoch's global row stream (pipeline.data.assignment) --
+    def segment(self, epoch: int) -> Segment:
+        """What this loader's ranks read in ``epoch``: the resumed segment, or the whole stream."""
+        return position(self.resumed, epoch, self.total_rows, self.world)
+
+    def part(self, epoch: int) -> tuple:
+        """This rank's stream intervals in ``epoch``."""
+        return cut(self.segment(epoch).intervals, self.segment(epoch).world)[self._part]
+
+    def _read_group(self):
         from pipeline.data.arrow_read import read_row_group
         from pipeline.errors import DataError
         from pipeline.storage import open_parquet
 
-        order = list(self.groups)
-        if self.shuffle:
-            order = [order[i] for i in epoch_rng(self.seed, self.rank, epoch).permutation(len(order))]
         local = threading.local()
 
-        def read(group: RowGroup):
+        def read(index: int):
+            group = self.groups[index]
             files = local.__dict__.setdefault("files", {})  # one open ParquetFile per file per thread
             if group.path not in files:
                 files[group.path] = open_parquet(group.path)  # object stores: ranged reads, pre-buffered
@@ -96,42 +125,37 @@ class StreamingLoader:
                                 f"manifest says {group.rows}; re-run `shardline etl`")
             return features, labels
 
-        if self.prefetch == 0 and self.reader_threads == 1:
-            for group in order:
-                yield read(group)
-            return
-        from concurrent.futures import ThreadPoolExecutor
+        return read
 
-        # Reads are submitted in order into a window of reader_threads + 1 and consumed in order:
-        # parallel decoding (pyarrow releases the GIL) with a deterministic, bounded stream.
-        window: deque = deque()
-        pool = ThreadPoolExecutor(self.reader_threads, thread_name_prefix=f"read-rank{self.rank}")
-        try:
-            pending = iter(order)
-            for group in pending:
-                window.append(pool.submit(read, group))
-                if len(window) > self.reader_threads:
-                    break
-            while window and not stop.is_set():
-                chunk = window.popleft().result()
-                nxt = next(pending, None)
-                if nxt is not None:
-                    window.append(pool.submit(read, nxt))
-                yield chunk
-        finally:
-            for future in window:
-                future.cancel()
-            pool.shutdown(wait=True)
+    def _planned_batches(self, epoch: int, stop: threading.Event, start_step: int) -> Iterator[tuple]:
+        import torch
 
+        from pipeline.data.planned import planned_chunks, sized_batches
+
+        segment = self.segment(epoch)
+        if start_step < segment.base:
+            raise ValueError(f"internal: epoch {epoch} resumes at batch {segment.base}, asked for {start_step}")
+        mine = self.part(epoch)
+        sizes = batch_sizes(span(mine), self.steps_per_epoch - segment.base)
+        done = start_step - segment.base
+        unread = take(mine, sum(sizes[:done]), sum(sizes[done:]))
+        windows = epoch_windows([g.rows for g in self.groups], self._stream_seed, epoch, self.shuffle_buffer_rows,
+                                self.shuffle)
+        self.peak_buffered_rows = max([self.peak_buffered_rows] + [w.rows for w in windows])
+        chunks = planned_chunks(windows, pieces(windows, unread), self._read_group(), seed=self._stream_seed, epoch=epoch,
+                                shuffle=self.shuffle, threads=self.reader_threads, ahead=self.prefetch > 0,
+                                stop=stop, name=f"read-rank{self.rank}")
+        pin = self.pin_memory if self.pin_memory is not None else torch.cuda.is_available()
+        yield from sized_batches(chunks, sizes[done:], pin)
+
+    # -- the petastorm reader: this rank's own shard files through the shuffle buffer ----------------
     def _chunks(self, epoch: int, stop: threading.Event) -> Iterator[tuple]:
-        if self.reader == "petastorm":
-            from pipeline.data.petastorm_source import petastorm_chunks
+        from pipeline.data.petastorm_source import petastorm_chunks
 
-            chunks = petastorm_chunks(self.files, self.features_field, self.label_field, self.num_features,
-                                      seed=self.seed, rank=self.rank, epoch=epoch, shuffle=self.shuffle,
-                                      workers=self.reader_threads)
-            return (({"numeric": x}, y) for x, y in chunks)
-        return self._arrow_chunks(epoch, stop)
+        chunks = petastorm_chunks(self.files, self.features_field, self.label_field, self.num_features,
+                                  seed=self.seed, rank=self.rank, epoch=epoch, shuffle=self.shuffle,
+                                  workers=self.reader_threads)
+        return (({"numeric": x}, y) for x, y in chunks)
 
     # -- batches ------------------------------------------------------------------------------------
     def _batches(self, epoch: int, stop: threading.Event, start_step: int = 0) -> Iterator[tuple]:
@@ -229,16 +253,17 @@ class StreamingLoader:
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple]:
         """The batches of one epoch; with prefetch > 0 they are assembled in a background thread.
 
-        start_step > 0 resumes an epoch: the first start_step batches are read and dropped (the shuffle is
-        seeded per epoch, so they are exactly the batches already trained on) and batch start_step comes
-        first."""
+        start_step > 0 resumes an epoch: batch start_step comes first. Arrow: the stream positions of the
+        batches before it are known, so they are skipped unread; petastorm: they are read and dropped (the
+        shuffle is seeded per epoch, so they are exactly the batches already trained on)."""
         if not 0 <= start_step <= self.steps_per_epoch:
             raise ValueError(f"start_step must be in [0, {self.steps_per_epoch}], got {start_step}")
         stop = threading.Event()
+        batches = self._batches if self.reader == "petastorm" else self._planned_batches
         if self.prefetch == 0:
-            yield from self._batches(epoch, stop, start_step)
+            yield from batches(epoch, stop, start_step)
             return
-        yield from _prefetched(lambda: self._batches(epoch, stop, start_step), self.prefetch, stop,
+        yield from _prefetched(lambda: batches(epoch, stop, start_step), self.prefetch, stop,
                                name=f"prefetch-rank{self.rank}-epoch{epoch}")
 
 

@@ -189,14 +189,14 @@ def training_monitor(cfg, *, snapshot: Callable[[], dict], abort: Callable[[str]
     return TrainingMonitor(t.early_stopping, t.divergence, t.epochs, snapshot=snapshot, abort=abort, guard=guard)
 
 
-def epoch_lr(cfg, row: dict, version: int, steps_per_epoch: int) -> Optional[float]:
+def epoch_lr(cfg, row: dict, version: int, steps_per_epoch: int, offset: int = 0) -> Optional[float]:
     """The learning rate of the epoch's last update (``train.schedule`` set; else None: it is train.lr)."""
     from pipeline.launch.plans import consistency
     from pipeline.ps.modes import expected_version
     from pipeline.ps.schedule import schedule_spec
 
     t = cfg.train
-    total = steps_per_epoch * t.epochs
+    total = offset + steps_per_epoch * t.epochs
     if t.backend == "ps" and cfg.ps.mode != "average":  # the server's schedule counts its versions
         total, last = expected_version(consistency(cfg), total, cfg.parallelism.data), version - 1
     else:  # the replicas' local optimizers count their own steps

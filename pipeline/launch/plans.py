@@ -31,15 +31,16 @@ def failed_attempt_grace(cfg: PipelineConfig) -> Timeout:
     return step.shorter(ALLREDUCE_GRACE_S) if cfg.train.backend == "allreduce" else step
 
 
-def optimizer_spec(cfg: PipelineConfig, steps_per_epoch: int = 1, *, server: bool = False):
+def optimizer_spec(cfg: PipelineConfig, steps_per_epoch: int = 1, *, server: bool = False, offset: int = 0):
     """The optimizer of the server (``server``: its schedule counts versions) or of a worker's local
-    optimizer (average, allreduce: its schedule counts the rank's own steps)."""
+    optimizer (average, allreduce: its schedule counts the rank's own steps). ``offset``: the run's step
+    offset after a resume on another world size (StreamPlan), so the schedule ends with the run."""
     from pipeline.ps import OptimizerSpec
     from pipeline.ps.modes import expected_version
     from pipeline.ps.schedule import schedule_spec
 
     t = cfg.train
-    total = steps_per_epoch * t.epochs
+    total = offset + steps_per_epoch * t.epochs
     if server:
         total = expected_version(consistency(cfg), total, cfg.parallelism.data)
     return OptimizerSpec(name=t.optimizer, lr=t.lr, momentum=t.momentum if t.optimizer == "sgd" else 0.0,
@@ -54,13 +55,13 @@ def consistency(cfg: PipelineConfig):
                        staleness_scale=cfg.ps.staleness_scale)
 
 
-def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1):
+def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1, offset: int = 0):
     from pipeline.ps import PSSettings
 
     from pipeline.ps.staleness import server_optimizer
 
     # async/ssp: the server's momentum net of what asynchrony implies (ps.async_momentum).
-    optimizer = server_optimizer(optimizer_spec(cfg, steps_per_epoch, server=True), cfg.ps.mode,
+    optimizer = server_optimizer(optimizer_spec(cfg, steps_per_epoch, server=True, offset=offset), cfg.ps.mode,
                                  cfg.parallelism.data, cfg.ps.staleness, cfg.ps.async_momentum)
     return PSSettings(optimizer=optimizer, consistency=consistency(cfg), compression=cfg.ps.compression,
                       topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step,
@@ -81,20 +82,30 @@ def fault_plan(cfg: PipelineConfig, attempt: int) -> FaultPlan:
     """The faults.* hooks, in the first faults.attempts attempts only (so a retry can succeed)."""
     f = cfg.faults
     if attempt > f.attempts:
-        return FaultPlan()
+        return FaultPlan(record_dir=f.record_rows_dir)
     return FaultPlan(fail_rank=f.fail_rank, fail_step=f.fail_step, fail_in_rendezvous=f.fail_in_rendezvous,
                      kill_rank=f.kill_rank, kill_step=f.kill_step, delay_rank=f.delay_rank, delay_ms=f.delay_ms,
                      delay_step=f.delay_step, explode_rank=f.explode_rank, explode_step=f.explode_step,
-                     explode_factor=f.explode_factor)
+                     explode_factor=f.explode_factor, record_dir=f.record_rows_dir)
 
 
 def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps: int, generation: int,
-                 attempt: int, stage_addresses: Optional[list] = None) -> list[WorkerPlan]:
-    """One plan per barrier task (rank = replica * stages + stage)."""
+                 attempt: int, stage_addresses: Optional[list] = None, stream=None) -> list[WorkerPlan]:
+    """One plan per barrier task (rank = replica * stages + stage). ``stream`` (a StreamPlan; None: a fresh
+    run's) places a resumed run's steps in its epochs.
+
+    The arrow reader gets every train file and reads replica r's part of each epoch's row stream; the
+    petastorm reader gets shard r's files (its old per-rank assignment)."""
+    from pipeline.data.assignment import StreamPlan
+
+    stream = stream or StreamPlan(manifest.split("train").rows, cfg.parallelism.data, steps)
+    per_rank = cfg.data.reader == "petastorm"
+    everything = tuple(manifest.files("train"))
+    all_groups = tuple(tuple(r) for r in manifest.row_group_rows("train"))
     has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
     validation = tuple(manifest.files("validation")) if has_validation else ()
     stages, faults, waits = cfg.parallelism.pipeline, fault_plan(cfg, attempt), deadlines(cfg)
-    optimizer = optimizer_spec(cfg, steps)
+    optimizer = optimizer_spec(cfg, steps, offset=stream.offset)
     cuts = tuple(cfg.parallelism.cuts) if cfg.parallelism.cuts else None
 
     def plan(rank: int) -> WorkerPlan:
@@ -102,7 +113,9 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
         loader = LoaderPlan(reader=cfg.data.reader, shuffle=cfg.data.shuffle,
                             shuffle_buffer_rows=cfg.data.shuffle_buffer_rows, reader_threads=cfg.data.reader_threads,
                             prefetch=cfg.train.prefetch,
-                            row_group_rows=tuple(tuple(r) for r in manifest.row_group_rows("train", replica)))
+                            row_group_rows=(tuple(tuple(r) for r in manifest.row_group_rows("train", replica))
+                                            if per_rank else all_groups),
+                            world=None if per_rank else cfg.parallelism.data, resumed=stream.resumed)
         grid = None
         if stages > 1:
             grid = StagePlan(stage=stage, stages=stages, replica=replica, replicas=cfg.parallelism.data,
@@ -111,12 +124,14 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
         return WorkerPlan(
             rank=rank, world_size=cfg.parallelism.tasks, generation=generation,
             # Only the first stage reads features and only the last labels; middle stages read nothing.
-            train_files=tuple(rank_files(manifest, replica)) if stage in (0, stages - 1) else (),
+            train_files=((tuple(rank_files(manifest, replica)) if per_rank else everything)
+                         if stage in (0, stages - 1) else ()),
             # Validation needs the whole model in one task: only without pipeline stages.
             validation_files=validation if rank == 0 and stages == 1 else (),
             model=spec, features_field=manifest.features_field, label_field=manifest.label_field,
             epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
             optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits,
-            precision=cfg.train.precision, profile=cfg.train.profile, overlap=cfg.ps.overlap)
+            precision=cfg.train.precision, profile=cfg.train.profile, overlap=cfg.ps.overlap,
+            step_offset=stream.offset)
 
     return [plan(rank) for rank in range(cfg.parallelism.tasks)]

@@ -14,6 +14,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError
 from pipeline.launch.attempts import run_attempts
+from pipeline.launch.elastic import fit_workers, stream_plan
 from pipeline.launch.merge import check_steps, merged_model
 from pipeline.launch.placement import TrainingRun, placement_for
 from pipeline.launch.plans import consistency
@@ -66,11 +67,12 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     from pipeline.models.state import flat_buffers, join_state
     from pipeline.ps.modes import expected_version
 
+    cfg = fit_workers(spark, cfg)  # train.min_workers: fewer slots than asked may still train
     replicas, stages = cfg.parallelism.data, cfg.parallelism.pipeline
     workers = cfg.parallelism.tasks  # barrier tasks: one per (replica, stage)
     check_barrier_slots(spark, workers, None if stages == 1 else
                         f"parallelism.data x pipeline = {replicas} x {stages} barrier tasks")
-    steps = steps_per_epoch(manifest, replicas, cfg.train.batch_size)
+    steps = steps_per_epoch(manifest, replicas, cfg.train.batch_size, per_rank_shards=cfg.data.reader == "petastorm")
     spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
                       task=manifest.task, labels=manifest.label_mapping, target_scale=_target_scale(cfg, manifest),
                       sparse=cfg.ps.sparse.model_options(cfg.train.seed))
@@ -78,7 +80,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     allreduce = cfg.train.backend == "allreduce"
     resumed = latest = None
     if resume:
-        resumed, latest = _resume_state(cfg, store, manifest, spec, steps)
+        resumed, latest = _resume_state(cfg, store, manifest, spec)
     else:
         moved = store.archive_previous()
         if moved:
@@ -99,7 +101,8 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
         initial = warm[:initial.numel()].clone()
         if warm.numel() > initial.numel():
             initial_buffers = warm[initial.numel():].clone()
-    expected = expected_version(consistency(cfg), steps * cfg.train.epochs, replicas)
+    stream = stream_plan(cfg, manifest, steps, resumed)  # a resume may change the world size (elastic.py)
+    expected = expected_version(consistency(cfg), stream.total_steps(cfg.train.epochs), replicas)
     placement = None
 
     def epoch_done(row: dict) -> None:
@@ -116,7 +119,8 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                       checkpoint_meta=CheckpointMeta(fingerprint=manifest.fingerprint, model=spec.to_dict(),
                                                      world_size=replicas, mode=cfg.ps.mode, steps_per_epoch=steps,
                                                      epochs=cfg.train.epochs, seed=cfg.train.seed,
-                                                     extra=dict(checkpoint_extra or {})))
+                                                     extra=dict(checkpoint_extra or {}), stream=stream.record()),
+                      stream=stream)
     placement = placement_for(run)
     policy = RetryPolicy(cfg.train.max_attempts)
     started = time.perf_counter()
@@ -159,7 +163,7 @@ def _target_scale(cfg: PipelineConfig, manifest: Manifest) -> Optional[tuple[flo
     return target_moments(manifest)
 
 
-def _resume_state(cfg: PipelineConfig, store, manifest: Manifest, spec: ModelSpec, steps: int):
+def _resume_state(cfg: PipelineConfig, store, manifest: Manifest, spec: ModelSpec):
     """--resume: (state, CheckpointInfo) of the newest checkpoint, checked against this run's layout."""
     from pipeline.checkpoints import check_compatible
 
@@ -174,8 +178,7 @@ def _resume_state(cfg: PipelineConfig, store, manifest: Manifest, spec: ModelSpe
     from pipeline.models.trust import allowed_factories, check_factory
 
     check_factory(resumed.get("model") or {}, allowed_factories(cfg.model), f"--resume: checkpoint {latest.path}")
-    check_compatible(resumed, latest.path, fingerprint=manifest.fingerprint, model=spec.to_dict(),
-                     world_size=cfg.parallelism.data, mode=cfg.ps.mode, steps_per_epoch=steps)
+    check_compatible(resumed, latest.path, fingerprint=manifest.fingerprint, model=spec.to_dict(), mode=cfg.ps.mode)
     saved_stages = len(resumed["ps"].get("stages", [None]))
     if saved_stages != cfg.parallelism.pipeline:
         raise ConfigError(f"cannot resume from checkpoint {latest.path}: it was trained with "

@@ -70,7 +70,7 @@ def _exchange(plan: WorkerPlan, client, info, model, device: str):
     from pipeline.worker.precision import Precision
 
     precision = Precision(plan.precision, device)  # fp16 on a CPU worker fails here, naming the key
-    return make_exchange(client, info, model, plan.steps_per_epoch * plan.epochs, plan.optimizer, plan.backend,
+    return make_exchange(client, info, model, plan.total_steps, plan.optimizer, plan.backend,
                          precision, flat=True, overlap=plan.overlap)
 
 
@@ -108,7 +108,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
         forward = wrap(model, device)
     # A retried attempt (new generation) starts at the server's step for this rank; the epoch and the
     # batch within it follow from it, so no sample is skipped or trained on twice.
-    first_epoch, skip = divmod(step, plan.steps_per_epoch)
+    first_epoch, skip = plan.locate(step)
     import torch
 
     # torch threads: Spark's OMP_NUM_THREADS=spark.task.cpus sets them; more threads than cores per task
@@ -146,6 +146,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
             value = batch_loss.item()
             check_finite(value, rank=plan.rank, step=step, epoch=epoch)
             timer.lap("backward")
+            faults.applied(epoch, step, x, y)  # faults.record_rows_dir (a test hook; off: a no-op)
             if sparse is not None:
                 sparse.after_backward(step)  # before the dense push: sync applies both with step t
             step = exchange.after_backward(step)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pipeline.data.assignment import Segment
 from pipeline.models import ModelSpec
 from pipeline.ps import OptimizerSpec
 from pipeline.wire.deadline import CONNECT_KEY, LINK_KEY, STEP_KEY, Timeout
@@ -24,6 +25,11 @@ class LoaderPlan:
     prefetch: int = 2
     # Rows of each row group of each train file (from the manifest), so the loader plans without a read.
     row_group_rows: Optional[tuple[tuple[int, ...], ...]] = None
+    # Arrow reader: the ranks sharing each epoch's row stream (train_files are all the train files), and
+    # the segment of an epoch resumed on another world size (pipeline.data.assignment). None: the files
+    # are this rank's own (petastorm).
+    world: Optional[int] = None
+    resumed: Optional[Segment] = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class FaultPlan:
     explode_rank: Optional[int] = None
     explode_step: int = 0
     explode_factor: float = 1e6
+    # faults.record_rows_dir: each applied step's row digests go to a JSON-lines file per rank (test hook).
+    record_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,17 @@ class WorkerPlan:
     precision: str = "fp32"  # train.precision: fp32 | bf16 | fp16
     profile: bool = False  # train.profile: the per-step timing breakdown (pipeline.worker.timing)
     overlap: bool = False  # ps.overlap: gradient buckets pushed while backward runs (pipeline.worker.buckets)
+    # Global step = step_offset + epoch * steps_per_epoch + batch (non-zero after a resume on another world
+    # size: pipeline.data.assignment.StreamPlan).
+    step_offset: int = 0
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, batch) of global step ``step``."""
+        return divmod(step - self.step_offset, self.steps_per_epoch)
+
+    @property
+    def total_steps(self) -> int:
+        return self.step_offset + self.steps_per_epoch * self.epochs
 
     @property
     def task(self) -> str:

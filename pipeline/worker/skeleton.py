@@ -66,7 +66,7 @@ def make_train_loader(plan: WorkerPlan, *, rank: Optional[int] = None,
                            row_group_rows=loader.row_group_rows, shuffle=loader.shuffle,
                            shuffle_buffer_rows=loader.shuffle_buffer_rows, prefetch=loader.prefetch,
                            reader_threads=loader.reader_threads, reader=loader.reader,
-                           features=plan.model.feature_set)
+                           features=plan.model.feature_set, world=loader.world, resumed=loader.resumed)
 
 
 # -- the PS session --------------------------------------------------------------------------------
@@ -204,6 +204,13 @@ class FaultHooks:
             log.warning("rank %d: faults.explode_rank: loss x %g at step %d", self.rank, faults.explode_factor, step)
             return loss * faults.explode_factor
         return loss
+
+    def applied(self, epoch: int, step: int, x, y) -> None:
+        """faults.record_rows_dir: the rows of a step the server applied, as digests of their bytes."""
+        if self.faults.record_dir is not None:
+            from pipeline.worker.row_log import record_step
+
+            record_step(self.faults.record_dir, self.rank, epoch, step, x, y)
 
     def joining_group(self) -> None:
         """Before joining an allreduce process group (faults.fail_in_rendezvous)."""

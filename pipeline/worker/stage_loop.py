@@ -180,10 +180,10 @@ def _train(plan: WorkerPlan, grid: StagePlan, client, info, module, gpipe, loade
     from pipeline.worker.exchange import make_exchange
 
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
-    exchange = make_exchange(client, info, module, plan.steps_per_epoch * plan.epochs, plan.optimizer,
+    exchange = make_exchange(client, info, module, plan.total_steps, plan.optimizer,
                              plan.backend)
     step = exchange.begin()  # start() + the server's buffers
-    first_epoch, skip = divmod(step, plan.steps_per_epoch)
+    first_epoch, skip = plan.locate(step)
     log.log(level, "rank %d = stage %d/%d of replica %d/%d: %d parameters, %d micro-batches, starting at step %d",
             plan.rank, grid.stage, grid.stages, grid.replica, grid.replicas, info.num_params,
             grid.micro_batches, step)

@@ -63,7 +63,7 @@ class DriverPS:
                  cfg.parallelism.tasks, run.steps_per_epoch, cfg.train.epochs, run.initial.numel(), host)
         self._secret = new_secret()
         self._tls = job_cert(cfg.ps.tls)  # ps.tls: the per-job certificate, shipped with the secret
-        settings = ps_settings(cfg, run.steps_per_epoch)
+        settings = ps_settings(cfg, run.steps_per_epoch, run.step_offset)
         common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress, tls=self._tls)
         try:
             from pipeline.launch.sparse_tables import sparse_store
@@ -106,7 +106,7 @@ class DriverPS:
     def on_epoch(self, row: dict) -> None:
         from pipeline.launch.monitor import epoch_lr
 
-        lr = epoch_lr(self.run.cfg, row, self.server.version, self.run.steps_per_epoch)
+        lr = epoch_lr(self.run.cfg, row, self.server.version, self.run.steps_per_epoch, self.run.step_offset)
         if lr is not None:
             row["lr"] = lr  # the row is the history's: the rate reaches the epoch metrics and the curves
         if self.run.cfg.train.profile:  # the server's side of the epoch's breakdown, as ps/*_ms
@@ -145,7 +145,7 @@ class DriverPS:
 
         run, cfg, server = self.run, self.run.cfg, self.server
         plans = worker_plans(cfg, run.manifest, run.spec, run.steps_per_epoch, server.generation, attempt,
-                             getattr(server, "addresses", None))
+                             getattr(server, "addresses", None), stream=run.stream)
         task_fn = make_task_fn(plans, TaskWiring(self._secret, cfg.train.log_tail_lines, ps=tuple(server.address),
                                                  tls=self._tls))
         tag = new_tag()
@@ -231,7 +231,7 @@ class DriverPS:
             return
         run.progress.close_abandoned(epochs_left_unreported(
             state, run.progress.reports(), self.server.consistency, run.progress.world_size,
-            run.steps_per_epoch, cfg.train.epochs))
+            run.steps_per_epoch, cfg.train.epochs, offset=run.step_offset))
 
     def outcome(self, rows: list[dict]) -> Outcome:
         from pipeline.launch.merge import replica_buffers, replica_outcome

@@ -37,6 +37,13 @@ class TrainingRun:
     # The caller's on_epoch may ask training to stop (shardline tune's pruner): the driver-hosted PS keeps
     # a monitor for it even with early stopping and the divergence guard off.
     stoppable: bool = False
+    # Where the run's steps fall in its epochs (pipeline.data.assignment; None: a fresh plan from
+    # steps_per_epoch, offset 0), carried to the workers' plans and every checkpoint.
+    stream: Any = None
+
+    @property
+    def step_offset(self) -> int:
+        return 0 if self.stream is None else self.stream.offset
 
     @property
     def allreduce(self) -> bool:

@@ -53,7 +53,7 @@ class TaskPS:
         warm = run.initial.detach().cpu().float().reshape(-1).contiguous().numpy().tobytes() if run.warm_started else None
         buffers = run.initial_buffers.detach().cpu().reshape(-1).contiguous().numpy().tobytes()
         return HostedPSSpec(
-            world_size=cfg.parallelism.data, generation=attempt, settings=ps_settings(cfg, run.steps_per_epoch), backend=cfg.train.backend, grace=failed_attempt_grace(cfg),
+            world_size=cfg.parallelism.data, generation=attempt, settings=ps_settings(cfg, run.steps_per_epoch, run.step_offset), backend=cfg.train.backend, grace=failed_attempt_grace(cfg),
             connect=waits.connect, peers=waits.step, model=run.spec,
             checkpoint_dir=run.store.directory, keep_checkpoints=cfg.train.keep_checkpoints,
             checkpoint_every=cfg.train.checkpoint_every,
@@ -69,7 +69,7 @@ class TaskPS:
 
         run, cfg = self.run, self.run.cfg
         secret = new_secret()  # per attempt: a late task of a failed attempt cannot join the next one
-        plans = worker_plans(cfg, run.manifest, run.spec, run.steps_per_epoch, attempt, attempt)
+        plans = worker_plans(cfg, run.manifest, run.spec, run.steps_per_epoch, attempt, attempt, stream=run.stream)
         task_fn = make_task_fn(plans, TaskWiring(secret, cfg.train.log_tail_lines, hosted=self._hosted_spec(attempt),
                                                  tls=job_cert(cfg.ps.tls)))
         log.info("barrier attempt %d (PS in rank 0's task)", attempt)

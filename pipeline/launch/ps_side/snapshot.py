@@ -8,14 +8,15 @@ __all__ = ["SnapshotNotReady", "epochs_left_unreported", "take_snapshot"]
 
 
 def epochs_left_unreported(state: dict, reports: dict, consistency, world_size: int, steps_per_epoch: int,
-                           epochs: int) -> list[tuple[int, int]]:
+                           epochs: int, offset: int = 0) -> list[tuple[int, int]]:
     """(rank, epoch) pairs the ranks resumed from PS ``state`` would start after, but that ``reports``
-    (``EpochProgress.reports()``) does not hold: they would never be reported again."""
+    (``EpochProgress.reports()``) does not hold: they would never be reported again. ``offset``: the run's
+    step offset (a resume on another world size, pipeline.data.assignment.StreamPlan)."""
     from pipeline.launch.ps_side.progress import unreported_epochs
     from pipeline.ps.modes import resume_step
 
-    total = steps_per_epoch * epochs
-    steps = {rank: resume_step(consistency, state, rank, total) for rank in range(world_size)}
+    total = offset + steps_per_epoch * epochs
+    steps = {rank: resume_step(consistency, state, rank, total) - offset for rank in range(world_size)}
     return unreported_epochs(reports, steps, steps_per_epoch)
 
 
@@ -27,7 +28,9 @@ def take_snapshot(server, progress, consistency, steps_per_epoch: int, epochs: i
     """
     reports = progress.reports()  # first: every report in it was sent before the state below was taken
     state = server.state_dict()
-    missing = epochs_left_unreported(state, reports, consistency, progress.world_size, steps_per_epoch, epochs)
+    offset = int((meta.get("stream") or {}).get("offset", 0))
+    missing = epochs_left_unreported(state, reports, consistency, progress.world_size, steps_per_epoch, epochs,
+                                     offset)
     if missing:
         rank, epoch = missing[0]
         raise SnapshotNotReady(f"the PS is at step {state['version']} but rank {rank} has not reported epoch "

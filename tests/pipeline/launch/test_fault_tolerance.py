@@ -102,11 +102,13 @@ def _uneven_manifest(manifest, sizes):
     return dataclasses.replace(manifest, splits={**manifest.splits, "train": train})
 
 
-def test_very_uneven_shards_train_to_the_end_without_hanging(spark, digits):
+def test_very_uneven_shards_are_balanced_by_the_stream_cut(spark, digits):
+    """Ranks read parts of one global row stream (pipeline.data.assignment), not a shard each: shards of
+    40 and 900 rows still give both ranks 470 rows and the same steps."""
     import threading
 
     cfg, manifest = digits
-    uneven = _uneven_manifest(manifest, [40, 900])  # one rank holds 22x the rows of the other
+    uneven = _uneven_manifest(manifest, [40, 900])  # one shard holds 22x the rows of the other
     quick = with_changes(cfg, train={"epochs": 2, "batch_size": 16}, ps={"timeout_s": 10})
     outcome = {}
     worker = threading.Thread(target=lambda: outcome.update(result=train(spark, quick, uneven)), daemon=True)
@@ -115,18 +117,17 @@ def test_very_uneven_shards_train_to_the_end_without_hanging(spark, digits):
     assert not worker.is_alive(), "training on uneven shards hung"
     result = outcome["result"]
     steps = steps_per_epoch(uneven, 2, 16)
-    assert steps == 3 and result.steps == 2 * steps  # the smallest shard decides; both ranks run 3 steps
-    # every row of both ranks was used once per epoch: the big rank's batches are just larger
-    assert sum(r["samples"] for r in result.ranks) == 2 * 940
+    assert steps == 30 and result.steps == 2 * steps  # ceil(470 / 16): half the rows each
+    assert [r["samples"] for r in result.ranks] == [2 * 470, 2 * 470]  # every row once per epoch
     assert result.failed_attempts == []
 
 
-def test_a_shard_smaller_than_a_batch_is_refused_before_anything_starts(spark, digits):
+def test_too_few_rows_for_a_batch_per_worker_are_refused_before_anything_starts(spark, digits):
     from pipeline.errors import DataError
 
     cfg, manifest = digits
-    with pytest.raises(DataError, match=r"train.batch_size"):
-        train(spark, cfg, _uneven_manifest(manifest, [0, 900]))
+    with pytest.raises(DataError, match=r"fewer than one batch per worker: train.batch_size=471"):
+        train(spark, with_changes(cfg, train={"batch_size": 471}), _uneven_manifest(manifest, [0, 940]))
 
 
 @pytest.mark.parametrize("factory, error", [("nan_mlp", "NonFiniteError"), ("rejecting_mlp", "ModelInputError")])

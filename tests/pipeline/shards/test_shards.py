@@ -31,8 +31,12 @@ def test_train_shards_are_balanced_within_one_row(spark, digits_cfg):
         assert sum(pq.ParquetFile(os.path.join(manifest.root, f.path)).metadata.num_rows for f in shard.files) \
             == shard.rows
     assert steps_per_epoch(manifest, 3, 32) == -(-min(counts) // 32)
-    with pytest.raises(DataError, match="parallelism.data=2"):
-        steps_per_epoch(manifest, 2, 32)
+    # the arrow reader cuts the epoch's row stream, not the shards: any worker count has its steps
+    assert steps_per_epoch(manifest, 2, 32) == -(-(train.rows // 2) // 32)
+    with pytest.raises(DataError, match="parallelism.data=2, and data.reader=petastorm reads one shard per worker"):
+        steps_per_epoch(manifest, 2, 32, per_rank_shards=True)
+    with pytest.raises(DataError, match="fewer than one batch per worker"):
+        steps_per_epoch(manifest, 3, train.rows // 3 + 1)
 
 
 def test_rerun_is_deterministic(spark, digits_cfg):
