@@ -11,9 +11,11 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline.config.faults import FaultsConfig
 from pipeline.config.features import FeatureEntry
 from pipeline.config.loss import LossFields
 from pipeline.config.section import SEED as _SEED
+from pipeline.config.score import ScoreConfig
 from pipeline.config.section import Section as _Section
 from pipeline.config.sources import ClicksConfig, SyntheticConfig
 from pipeline.config.sparse import SparseConfig
@@ -353,33 +355,6 @@ class TrackingConfig(_Section):
     system_metrics_interval_s: Optional[float] = Field(10.0, gt=0)
 
 
-class FaultsConfig(_Section):
-    """Fault injection for tests and drills; everything off by default."""
-
-    # Rank that raises InjectedFault once it reaches fail_step.
-    fail_rank: Optional[int] = Field(None, ge=0)
-    fail_step: int = Field(0, ge=0)  # the step at which fail_rank raises
-    # train.backend=allreduce: fail_rank fails while joining the process group instead of at fail_step.
-    fail_in_rendezvous: bool = False
-    # Rank whose Python worker process SIGKILLs itself at kill_step (a crash with no goodbye).
-    kill_rank: Optional[int] = Field(None, ge=0)
-    kill_step: int = Field(0, ge=0)  # the step at which kill_rank is SIGKILLed
-    # Rank that sleeps delay_ms before every step from delay_step on (a straggler, or a hung worker
-    # when delay_ms exceeds ps.timeout_s).
-    delay_rank: Optional[int] = Field(None, ge=0)
-    delay_ms: float = Field(0.0, ge=0)  # how long delay_rank sleeps per step
-    delay_step: int = Field(0, ge=0)  # the first step delay_rank sleeps at
-    # Rank whose loss is multiplied by explode_factor at explode_step (the divergence guard's drill).
-    explode_rank: Optional[int] = Field(None, ge=0)
-    explode_step: int = Field(0, ge=0)  # the step from which explode_rank multiplies its loss
-    explode_factor: float = Field(1e6, gt=0)  # explode_rank's loss multiplier
-    # Faults fire in the first `attempts` barrier attempts only, so a driver retry can succeed.
-    attempts: int = Field(1, ge=1)
-    # Test/drill hook: every rank appends each applied step's (epoch, step, row digests) to a JSON-lines file
-    # in this folder (exactly-once checks across retries and resumes); null: off. Active in every attempt.
-    record_rows_dir: Optional[str] = Field(None, min_length=1)
-
-
 class WorkflowConfig(_Section):
     """`shardline workflow`: incremental ETL over a date-partitioned source, training, promotion."""
 
@@ -394,27 +369,6 @@ class WorkflowConfig(_Section):
     warm_start: bool = False
     # Where the processed-partition state lives; default <workdir>/workflow/<name>.
     state_dir: Optional[str] = Field(None, min_length=1)
-
-
-class ScoreConfig(_Section):
-    """`shardline score`: batch inference with a tracked model on a Parquet path or a table."""
-
-    # Rows with a null/NaN/inf (or non-numeric) feature: drop (counted per column, not written),
-    # reject (fail before anything is written, naming the columns and counts), or keep_null (written
-    # with a null prediction/probability and counted).
-    invalid_rows: Literal["drop", "reject", "keep_null"] = "drop"
-    # Input columns copied unchanged into the output next to the predictions (ids, keys).
-    keep_columns: list[str] = Field(default_factory=list)
-    # Replace an existing output (atomically, by rename); false: an existing output is an error.
-    overwrite: bool = False
-    # Rows per model forward pass inside each Arrow batch.
-    batch_size: int = Field(8192, ge=1)
-    # torch intra-op threads per Python worker (Spark runs one worker per task slot).
-    threads_per_worker: int = Field(1, ge=1, le=256)
-    # classification: also write the class probabilities as an array<float> column `probability`.
-    probabilities: bool = True
-    # Log the counts and throughput as a new MLflow run in tracking.experiment.
-    log_to_mlflow: bool = False
 
 
 class PipelineConfig(_Section):
