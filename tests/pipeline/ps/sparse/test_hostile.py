@@ -86,7 +86,7 @@ def test_a_header_over_the_cap_drops_that_connection_and_the_server_trains_on(se
 
         with pytest.raises(PSError, match="more than the 1048576 one frame may carry"):
             train_rank(server, secret, 0, 3, _model, before_step=liar)
-        assert server.stats["protocol_errors"] == 1 and server.aborted
+        assert server.stats["protocol_errors"] == 1
         generation = server.new_generation()  # the retry of the attempt: the same server trains on
         train_rank(server, secret, 0, 3, _model, generation=generation)
         assert server.version == 3 and server.stats["sparse"]["pushes"] == 2 * 3
