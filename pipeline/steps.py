@@ -173,6 +173,10 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     report_stop(run, cfg, result.stopped)  # best-epoch tags; a divergence with on_divergence=fail raises here
     run.log_metrics({"train_seconds": result.seconds, "train_steps": result.steps,
                      "train_samples_per_s": sum(r["samples"] for r in result.ranks) / max(result.seconds, 1e-9)})
+    sparse = result.ps_stats.get("sparse")
+    if sparse:  # ps.sparse: rows, admission and eviction counts per table, as sparse/<table>/<count>
+        run.log_metrics({f"{t}/{k}": float(v) for t, counts in sparse["tables"].items() for k, v in counts.items()}
+                        | {k: float(v) for k, v in sparse.items() if k != "tables"}, prefix="sparse/")
     if cfg.train.profile:  # the server's side of the breakdown (pipeline.ps.timing), as ps/time_*
         run.log_metrics({k: v for k, v in result.ps_stats.items() if k.startswith(("time_", "timed_"))},
                         prefix="ps/")
@@ -202,9 +206,23 @@ def _log_model(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, parame
     model = build_model(spec)
     load_flat_state(model, parameters)
     model.eval()
+    _log_sparse_tables(run, spec, model)
     labels = list(manifest.label_mapping) if manifest.task == "classification" else None
     return run.log_model(model, manifest.feature_set, manifest.vocabulary_files(), manifest.task, labels,
                          _input_example(spark, cfg, manifest), cfg.tracking.registered_model)
+
+
+def _log_sparse_tables(run, spec, model) -> None:
+    """ps.sparse: each table's rows as ``sparse_tables/<name>/{ids,rows}.npy`` beside the model (loadable with
+    numpy alone), and into the served network as searchsorted lookups (pipeline.models.sparse_embedding)."""
+    if not spec.sparse.get("tables"):
+        return
+    from pipeline.models.sparse_embedding import freeze_sparse
+
+    for name in sorted(os.listdir(spec.sparse["tables"])):
+        for part in ("ids.npy", "rows.npy"):
+            run.log_file(os.path.join(spec.sparse["tables"], name, part), f"sparse_tables/{name}")
+    freeze_sparse(model)
 
 
 def train(spark, cfg: PipelineConfig, resume: bool = False) -> PipelineOutcome:

@@ -124,7 +124,7 @@ class TabularInput(nn.Module):
         """ps.sparse: every sparse table's rows of this batch in one round trip, before the loop reads them."""
         pairs = [(module, batch[name]) for module, (kind, name) in
                  zip(self.embeddings, (p for p in self.parts if p[0] in ("categorical", "text")))
-                 if not isinstance(module, nn.Embedding)]
+                 if getattr(module, "shardline_sparse", False)]
         if pairs:
             from pipeline.models.sparse_embedding import prefetch
 

@@ -52,6 +52,8 @@ class ShardlineEmbedding(nn.Module):
     """``nn.Embedding(num_rows, dim)`` with its rows on the parameter server (see module docstring).
     ``num_rows`` 0: unbounded hashed ids (any int64 >= 0)."""
 
+    shardline_sparse = True  # what TabularInput prefetches (a frozen table is a plain lookup)
+
     def __init__(self, name: str, num_rows: int, dim: int, *, init_std: float = 0.1, seed: int = 0) -> None:
         super().__init__()
         self.spec = TableSpec(name, dim, num_rows, init_std, seed)
@@ -131,3 +133,39 @@ def load_tables(model: nn.Module, directory: str) -> None:
         if os.path.exists(os.path.join(path, "ids.npy")):
             module.load_rows(np.load(os.path.join(path, "ids.npy"), mmap_mode="r"),
                              np.load(os.path.join(path, "rows.npy"), mmap_mode="r"))
+
+
+class FrozenSparseEmbedding(nn.Module):
+    """A trained sparse table as plain torch ops, for the exported served model (torch.export/TorchScript
+    cannot call numpy): ``torch.searchsorted`` over the sorted ids, the rows as a buffer, and one extra
+    row of zeros for an id the table does not hold (the expected value of an initial row; the Python
+    paths, evaluation and ``shardline score``, serve the exact seeded initial row instead)."""
+
+    def __init__(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        super().__init__()
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        self.register_buffer("ids", torch.from_numpy(ids.copy() if len(ids) else np.array([-1], np.int64)))
+        oov = np.zeros((1, rows.shape[1]), np.float32)
+        self.register_buffer("weight", torch.from_numpy(np.concatenate([rows, oov]) if len(ids) else oov.repeat(2, 0)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        pos = torch.searchsorted(self.ids, flat).clamp(max=self.ids.shape[0] - 1)
+        hit = self.ids[pos] == flat
+        index = torch.where(hit, pos, torch.full_like(pos, self.weight.shape[0] - 1))
+        return self.weight[index].reshape(ids.shape + (self.weight.shape[1],))
+
+
+def freeze_sparse(model: nn.Module) -> nn.Module:
+    """``model`` with each ShardlineEmbedding replaced (in place) by a FrozenSparseEmbedding of the rows it
+    serves locally; a model without sparse tables is returned as it is."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, ShardlineEmbedding):
+                source = child.source
+                if not isinstance(source, LocalRows):
+                    raise ValueError(f"sparse table {child.spec.name!r} is still bound to the parameter server; "
+                                     "load its trained rows (load_rows/load_tables) before freezing")
+                setattr(parent, name, FrozenSparseEmbedding(np.asarray(source.ids), np.asarray(source.values)))
+    return model
