@@ -15,6 +15,9 @@ from pipeline import storage
 from pipeline.checkpoints import CheckpointStore
 from pipeline.errors import ConfigError
 
+# Also on the LTS stack (pyarrow 14, whose S3 filesystem ignores AWS_ENDPOINT_URL: pipeline.storage passes it).
+pytestmark = pytest.mark.lts
+
 
 def test_local_paths_resolve_to_the_local_filesystem(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
