@@ -208,8 +208,16 @@ def _log_model(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, parame
     model.eval()
     _log_sparse_tables(run, spec, model)
     labels = list(manifest.label_mapping) if manifest.task == "classification" else None
-    return run.log_model(model, manifest.feature_set, manifest.vocabulary_files(), manifest.task, labels,
-                         _input_example(spark, cfg, manifest), cfg.tracking.registered_model)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="shardline-vocab-") as tmp:
+        vocabularies = manifest.vocabulary_files()
+        if storage.is_remote(manifest.root):  # the served model is built from local copies
+            for name, url in vocabularies.items():
+                vocabularies[name] = os.path.join(tmp, f"{len(os.listdir(tmp))}.parquet")
+                Path(vocabularies[name]).write_bytes(storage.read_bytes(url))
+        return run.log_model(model, manifest.feature_set, vocabularies, manifest.task, labels,
+                             _input_example(spark, cfg, manifest), cfg.tracking.registered_model)
 
 
 def _log_sparse_tables(run, spec, model) -> None:

@@ -30,6 +30,30 @@ from pipeline.etl.split import SPLIT_COLUMN
 log = logging.getLogger(__name__)
 
 
+def scratch_base(spark, shards: str | Path) -> str | Path:
+    """Where pass 1's scratch goes: beside the shard set, which every executor can write. A shard set on
+    an object store: the scratch files are written and read with plain file I/O by the tasks, so in local
+    mode (one machine) they go to its temp folder; on a cluster that is refused with the way out."""
+    from pipeline.storage import is_remote
+
+    if not is_remote(shards):
+        return shards
+    import tempfile
+
+    from pipeline.errors import ConfigError
+
+    try:
+        local_mode = spark.sparkContext.master.startswith("local")
+    except Exception:  # Spark Connect: the cluster is elsewhere
+        local_mode = False
+    if not local_mode:
+        raise ConfigError(f"data.shards_dir={shards} is on an object store, and typed features (data.features "
+                          "with categorical, text, vector or image columns) need a shared local scratch folder for "
+                          "their one-pass encoding, which object stores are not yet used for: write the shard set "
+                          "to a path every executor can write (NFS, /dbfs) or use numeric features")
+    return Path(tempfile.gettempdir()) / "shardline-encode" / Path(str(shards)).name
+
+
 @contextmanager
 def scratch_folder(shards: str | Path):
     """A hidden folder beside the shard set for pass 1's files, removed on exit (success or failure)."""

@@ -24,7 +24,7 @@ from pipeline.config.workdir import Workdir
 from pipeline.etl.checks import check_split_sizes, input_errors
 from pipeline.etl.clean import label_mapping
 from pipeline.etl.fit import fit_features, merge_profiles, profile_report
-from pipeline.etl.onepass import encode_pass, scratch_folder
+from pipeline.etl.onepass import encode_pass, scratch_base, scratch_folder
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
 from pipeline.errors import ConfigError, DataError
 from pipeline.shards.manifest import Manifest
@@ -131,7 +131,7 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
         vocabularies = {f.vocabulary: statistics.vocabulary(f.name).to_pylist() for f in specs if f.vocabulary}
         return _pack_and_write(spark, cfg, df, None, profiles, report, specs, vocabularies, classes, numeric_labels,
                                allowed, started)
-    with scratch_folder(Workdir.of(cfg).shards) as scratch:
+    with scratch_folder(scratch_base(spark, Workdir.of(cfg).shards)) as scratch:
         with input_errors(data):
             profiles, files = encode_pass(df, entries, data, allowed, source_types, scratch)
             report = profile_report(profiles, data, entries)
