@@ -132,6 +132,11 @@ class TrackedRun:
         """Log one epoch's metrics (train_loss, val_loss, val_accuracy, samples_per_s, ...) at step=epoch."""
         self.log_metrics(metrics, step=int(epoch))
 
+    def logged_epochs(self, metric: str = "train_loss") -> set[int]:
+        """The epochs whose ``metric`` this run already holds (a resumed run continues an MLflow run that
+        may have logged epochs after its last checkpoint: they are not logged twice)."""
+        return {int(m.step) for m in self._client.get_metric_history(self.run_id, metric)}
+
     def log_evaluation(self, metrics: Mapping[str, float], confusion: np.ndarray | None = None,
                        class_names: Sequence[str] | None = None) -> None:
         """Log ``test_<name>`` metrics, and the confusion matrix as PNG and JSON under ``evaluation/``."""

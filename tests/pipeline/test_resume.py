@@ -73,6 +73,11 @@ def test_killed_driver_resumes_from_its_last_checkpoint(spark, conf_dir, tmp_pat
     assert match and int(match.group(1)) >= killed_at and int(match.group(2)) == planned, output[-4000:]
     assert f"training done: {planned} steps" in output
     assert f"mlflow run id: {run_id}" in output  # the same MLflow run continued
+    from mlflow.tracking import MlflowClient
+
+    # epochs the killed driver logged after its last checkpoint are trained again, but logged once
+    history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(run_id, "train_loss")
+    assert sorted(m.step for m in history) == list(range(cfg.train.epochs))
     final = store.load(store.latest())
     assert final["step"] == planned
     assert final["ps"]["steps_applied_by_rank"] == {0: planned, 1: planned}
