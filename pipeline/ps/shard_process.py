@@ -10,9 +10,9 @@ Spark's threads). The three file descriptors are pipes to the parent only:
 * events (child -> parent): what the shard's connection threads tell the driver unasked, a rank's
   failure (the parent's ``FailureBoard`` decides the verdict and mirrors it to every shard) and METRICS.
 
-Why pickle is acceptable here: these pipes connect a process to the child it started, nothing on the
-network can write to them; the network side of the child is the unchanged shard (same wire, handshake,
-deadlines and refusals, no pickle). The parent's end closing (the driver exited or was killed) closes
+The messages are Python objects (``control_pipe.Pipe``, the one module of ``pipeline.ps`` that
+deserializes objects, and only from these pipes: see its docstring); the network side of the child is
+the unchanged shard (same wire, handshake, deadlines and refusals). The parent's end closing (the driver exited or was killed) closes
 the shard and ends the process, so a child never outlives its driver.
 
 What the child hosts is generic: ``HOSTED`` maps a kind to a builder of "a shard's state" plus the
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -61,29 +60,6 @@ DENSE_VIEWS = frozenset({"address", "version", "generation", "aborted", "registe
 DENSE_CALLS = frozenset({"start", "close", "fail", "new_generation", "set_layout", "mark_failure", "state_dict",
                          "load_state_dict", "parameters"})
 BUFFER_CALLS = frozenset({"merged", "fold", "restore", "reported_ranks"})
-
-
-class Pipe:
-    """One end of a pipe to the parent (or the child) carrying whole pickled messages. Plain ``pickle``,
-    not multiprocessing's: torch registers reducers there that share tensors through file descriptors
-    and an authkey server; a tensor here travels as its bytes."""
-
-    def __init__(self, fd: int, *, readable: bool) -> None:
-        from multiprocessing.connection import Connection
-
-        self._conn = Connection(fd, readable=readable, writable=not readable)
-
-    def send(self, obj: Any) -> None:
-        self._conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self) -> Any:
-        return pickle.loads(self._conn.recv_bytes())  # noqa: S301 - our own child's (or parent's) pipe
-
-    def poll(self, timeout: float) -> bool:
-        return self._conn.poll(timeout)
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 class _Events:
@@ -174,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s ps-shard-process[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    from pipeline.ps.control_pipe import Pipe
+
     serve(Pipe(args.requests, readable=True), Pipe(args.replies, readable=False),
           Pipe(args.events, readable=False))
     # The shard is closed (sockets shut, threads told): skip the interpreter's slow teardown of torch and
@@ -183,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Through the package module, so the ShardInit the parent pickled is the class this child checks.
+    # Through the package module, so the ShardInit the parent sent is the class this child checks.
     from pipeline.ps.shard_process import main as _main
 
     _main()

@@ -27,7 +27,8 @@ from typing import Any, Callable
 from pipeline.errors import PSError, WorkerFailure
 from pipeline.ps.connection import ShardAddress
 from pipeline.ps.modes import Consistency
-from pipeline.ps.shard_process import Pipe, ShardInit
+from pipeline.ps.control_pipe import Pipe
+from pipeline.ps.shard_process import ShardInit
 
 logger = logging.getLogger(__name__)
 

@@ -41,11 +41,11 @@ def test_shard_processes_train_exactly_like_shard_threads(make_server, make_clie
     torch.manual_seed(0)
     initial = torch.randn(N)
     grads = [[torch.randn(N) for _ in range(2)] for _ in range(3)]
-    metrics: list = []
+    metrics: dict[bool, list] = {False: [], True: []}
     results = []
     for processes in (False, True):
         server = make_server(initial, world_size=2, shards=2, optimizer=SGD, server_processes=processes,
-                             on_metrics=lambda rank, m: metrics.append((rank, m)),
+                             on_metrics=lambda rank, m, got=metrics[processes]: got.append((rank, m)),
                              buffers=BufferStore(torch.zeros(3), _mean_merge))
         clients = [make_client(server, r) for r in range(2)]
         for c in clients:
@@ -60,7 +60,10 @@ def test_shard_processes_train_exactly_like_shard_threads(make_server, make_clie
     assert p_state["version"] == 3 and p_stats["steps_applied_by_rank"] == {0: 3, 1: 3}
     pids = [s["pid"] for s in p_stats["by_shard"]]
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    assert [m for m in metrics if m[0] == 1][-1][1]["loss"] == 0.5  # METRICS of the child reach the driver
+    deadline = time.monotonic() + 5  # METRICS of the child reach the driver, through the events pipe
+    while not metrics[True] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert metrics[True] == [(1, {"loss": 0.5})] == metrics[False]
     assert torch.equal(p_buffers, torch.zeros(3))  # shard 0's child keeps the model buffers
     for pid in pids:  # the secret travelled down a pipe: neither argv nor the environment carries it
         assert secret not in open(f"/proc/{pid}/cmdline", "rb").read()
