@@ -6,12 +6,18 @@ Part 1, per parameter size (fp32), 2 workers, each in its own process:
 (a) shardline PS ``sync`` round: push the gradient, pull the next version (server in this process);
 (b) ``torch.distributed`` gloo allreduce of the same bytes between 2 processes (tcp://127.0.0.1);
 (c) raw loopback TCP round trip of the same bytes (send n, get n back) between 2 processes;
-(d) the same PS round as (a) with ``ps.tls: true`` (TLS with the per-job certificate, fingerprint pinned).
-Prints ms per step and the ratios a/b, a/c and d/a (the cost of the encrypted wire).
+(d) the same PS round as (a) with ``ps.tls: true`` (TLS with the per-job certificate, fingerprint pinned);
+(e) a bare socket server (threads in this process, like the PS) that moves the same bytes to the same two
+client processes: receive both pushes, then send both replies; no reduction, no optimizer, no framing.
+Prints ms per step and the ratios a/b, a/c, a/e and d/a (the cost of the encrypted wire), then where the
+PS server's CPU goes per step (this process's CPU time over the timed steps; reduce and optimizer from the
+server's own timing; the rest is the wire: syscalls, copies in the kernel, Python per frame).
 
 Part 2: aggregate updates/s in ``async`` mode, a 64 KB model, 8/16/32 simulated workers (threads in
-2 worker processes) against 1/2/4 shards in this process; counted as versions applied (every shard
-applies each push once) over a fixed window after a warm-up.
+2 worker processes) against 1/2/4 shards in this process (``--processes``: also 1/2/4 shard processes,
+``ps.server_processes``); counted as versions applied (every shard applies each push once) over a fixed
+window after a warm-up, with the server's CPU ms per update (its processes' CPU time over the window:
+it must not grow with the shard count; the speed-up itself needs a core per shard).
 
 Targets (reported, not enforced): a/b <= 1.25 at 4 MB; updates/s at 2 shards >= 1.8x one shard with
 32 workers.
@@ -60,7 +66,8 @@ def _ps_worker(port: int, rank: int, secret: bytes, steps: int, warmup: int, out
     out.put(times[warmup:])
 
 
-def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1, tls: bool = False) -> float:
+def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1, tls: bool = False,
+                  profile: dict | None = None) -> float:
     import torch
 
     from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
@@ -80,10 +87,80 @@ def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1, tls: bo
                  for r in range(2)]
         for p in procs:
             p.start()
+        cpu0 = stats0 = None
+        while cpu0 is None:  # the timed steps start once the warm-up steps are applied
+            if server.version >= warmup + 1:
+                cpu0, stats0 = time.process_time(), server.stats
+            time.sleep(0.0005)
         times = [out.get(timeout=300) for _ in procs]
+        cpu1, stats1 = time.process_time(), server.stats
         for p in procs:
             p.join(60)
+    if profile is not None:
+        updates = max(stats1["timed_updates"] - stats0["timed_updates"], 1)
+        profile.update(cpu_ms=1e3 * (cpu1 - cpu0) / updates,
+                       reduce_ms=1e3 * (stats1["time_reduce_s"] - stats0["time_reduce_s"]) / updates,
+                       optimizer_ms=1e3 * (stats1["time_optimizer_s"] - stats0["time_optimizer_s"]) / updates)
     return statistics.median(max(a, b) for a, b in zip(*times))
+
+
+# -- (e) bare socket server -------------------------------------------------------------------------
+def _bare_client(port: int, nbytes: int, rounds: int, out: mp.Queue) -> None:
+    from pipeline.wire.sockets import set_socket_options
+
+    sock = socket.create_connection((HOST, port))
+    set_socket_options(sock)  # the PS client's options: same buffers, no Nagle
+    data = memoryview(bytearray(nbytes))
+    back = memoryview(bytearray(nbytes))
+    times = []
+    with sock:
+        for _ in range(rounds):
+            started = time.perf_counter()
+            sock.sendall(data)
+            got = 0
+            while got < nbytes:
+                got += sock.recv_into(back[got:])
+            times.append(time.perf_counter() - started)
+    out.put(times)
+
+
+def bare_server_round(nbytes: int, steps: int, warmup: int) -> float:
+    """(e): what a server that only moves the bytes costs: one thread per client, both pushes received
+    into preallocated buffers, then both replies sent (a barrier between, as a sync round has)."""
+    from pipeline.wire.sockets import listen, set_socket_options
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    rounds = steps + warmup
+    listener = listen(HOST, 0, backlog=8)
+    port = listener.getsockname()[1]
+    procs = [ctx.Process(target=_bare_client, args=(port, nbytes, rounds, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    barrier = threading.Barrier(2)
+    reply = memoryview(bytearray(nbytes))
+
+    def serve(sock: socket.socket) -> None:
+        set_socket_options(sock)
+        buf = memoryview(bytearray(nbytes))
+        with sock:
+            for _ in range(rounds):
+                got = 0
+                while got < nbytes:
+                    got += sock.recv_into(buf[got:])
+                barrier.wait()
+                sock.sendall(reply)
+
+    with listener:
+        threads = [threading.Thread(target=serve, args=(listener.accept()[0],)) for _ in procs]
+    for t in threads:
+        t.start()
+    times = [out.get(timeout=300) for _ in procs]
+    for t in threads:
+        t.join(60)
+    for p in procs:
+        p.join(60)
+    return statistics.median(max(a, b) for a, b in zip(times[0][warmup:], times[1][warmup:]))
 
 
 # -- (b) gloo allreduce -----------------------------------------------------------------------------
@@ -184,7 +261,8 @@ def _async_workers(port: int, ranks: list[int], secret: bytes, stop, out: mp.Que
     out.put(errors)
 
 
-def async_updates_per_s(workers: int, shards: int, nbytes: int, window_s: float, warmup_s: float = 1.5) -> float:
+def async_updates_per_s(workers: int, shards: int, nbytes: int, window_s: float, warmup_s: float = 1.5,
+                        processes: bool = False, cpu: dict | None = None) -> float:
     import torch
 
     from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
@@ -197,7 +275,7 @@ def async_updates_per_s(workers: int, shards: int, nbytes: int, window_s: float,
     stop = ctx.Event()
     startup_s = 120.0  # deadline for spawning 2 processes that import torch and connecting every worker
     settings = PSSettings(optimizer=OptimizerSpec(name="sgd", lr=0.01), consistency=Consistency("async"),
-                          shards=shards, step_timeout=Timeout.of(120, STEP_KEY))
+                          shards=shards, step_timeout=Timeout.of(120, STEP_KEY), server_processes=processes)
     with ParameterServer(torch.zeros(nbytes // 4), settings, world_size=workers, secret=secret,
                          host=HOST) as server:
         connect_by = time.time() + startup_s
@@ -212,15 +290,17 @@ def async_updates_per_s(workers: int, shards: int, nbytes: int, window_s: float,
                                    f"within {startup_s:g}s")
             time.sleep(0.05)
         time.sleep(warmup_s)
-        v0, t0 = server.version, time.perf_counter()
+        v0, t0, c0 = server.version, time.perf_counter(), server.server_cpu_seconds()
         time.sleep(window_s)
-        v1, t1 = server.version, time.perf_counter()
+        v1, t1, c1 = server.version, time.perf_counter(), server.server_cpu_seconds()
         stop.set()
         errors = [e for _ in procs for e in out.get(timeout=300)]
         for p in procs:
             p.join(60)
     if errors:
         raise RuntimeError("; ".join(errors[:3]))
+    if cpu is not None:  # the server's CPU seconds per applied update (threads: this whole process's)
+        cpu["per_update_ms"] = 1e3 * (c1 - c0) / max(v1 - v0, 1)
     return (v1 - v0) / (t1 - t0)
 
 
@@ -234,6 +314,10 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=3.0)
     parser.add_argument("--model-kb", type=int, default=64)
     parser.add_argument("--no-async", action="store_true", help="part 1 only")
+    parser.add_argument("--no-tls", action="store_true", help="skip (d), the PS round over TLS")
+    parser.add_argument("--processes", action="store_true",
+                        help="part 2 also with ps.server_processes (each shard in its own process)")
+    parser.add_argument("--no-sync", action="store_true", help="part 2 only")
     args = parser.parse_args()
     import torch
 
@@ -242,24 +326,42 @@ def main() -> None:
     print(f"host: {os.cpu_count()} cpus, torch {torch.__version__}, python {sys.version.split()[0]}")
     print("\nsync round, 2 worker processes (median ms per step)")
     print(f"{'size':>6} | {'(a) PS push+pull':>16} | {'(b) gloo allreduce':>18} | {'(c) TCP round trip':>18} | "
-          f"{'(d) PS over TLS':>15} | {'a/b':>5} | {'a/c':>5} | {'d/a':>5}")
-    for mb in args.sizes_mb:
+          f"{'(d) PS over TLS':>15} | {'(e) bare server':>15} | {'a/b':>5} | {'a/c':>5} | {'a/e':>5} | {'d/a':>5}")
+    profiles = {}
+    for mb in [] if args.no_sync else args.sizes_mb:
         nbytes = int(mb * MB)
-        a = ps_sync_round(nbytes, args.steps, args.warmup)
+        profiles[mb] = {}
+        a = ps_sync_round(nbytes, args.steps, args.warmup, profile=profiles[mb])
         b = gloo_allreduce(nbytes, args.steps, args.warmup)
         c = tcp_round_trip(nbytes, args.steps, args.warmup)
-        d = ps_sync_round(nbytes, args.steps, args.warmup, tls=True)
+        d = float("nan") if args.no_tls else ps_sync_round(nbytes, args.steps, args.warmup, tls=True)
+        e = bare_server_round(nbytes, args.steps, args.warmup)
         print(f"{mb:>4g}MB | {a * 1e3:>16.2f} | {b * 1e3:>18.2f} | {c * 1e3:>18.2f} | {d * 1e3:>15.2f} | "
-              f"{a / b:>5.2f} | {a / c:>5.2f} | {d / a:>5.2f}", flush=True)
+              f"{e * 1e3:>15.2f} | {a / b:>5.2f} | {a / c:>5.2f} | {a / e:>5.2f} | {d / a:>5.2f}", flush=True)
+    if profiles:
+        print("\nPS server CPU per sync step (ms; 2 pushes reduced, 1 optimizer step, 2 PARAMS sent)")
+        print(f"{'size':>6} | {'CPU total':>9} | {'reduce':>6} | {'optimizer':>9} | {'wire + rest':>11}")
+    for mb, prof in profiles.items():
+        rest = prof["cpu_ms"] - prof["reduce_ms"] - prof["optimizer_ms"]
+        print(f"{mb:>4g}MB | {prof['cpu_ms']:>9.2f} | {prof['reduce_ms']:>6.2f} | {prof['optimizer_ms']:>9.2f} | "
+              f"{rest:>11.2f}")
     if args.no_async:
         print(f"\ntotal {time.perf_counter() - started:.0f}s")
         return
-    print(f"\nasync updates/s, {args.model_kb} KB model, workers as threads in 2 processes")
-    print(f"{'workers':>7} | " + " | ".join(f"{f'{k} shard(s)':>11}" for k in args.shards) + " | 2 vs 1")
+    print(f"\nasync updates/s, {args.model_kb} KB model, workers as threads in 2 processes; shards as threads "
+          f"of this process, or (ps.server_processes) one child process each; server CPU ms per update")
+    head = " | ".join(f"{f'{k} shard(s)':>11} | {'cpu ms/upd':>10}" for k in args.shards)
+    print(f"{'workers':>7} | {'shards as':>9} | {head} | 2 vs 1")
     for w in args.workers:
-        rates = {k: async_updates_per_s(w, k, args.model_kb * 1024, args.window_s) for k in args.shards}
-        ratio = f"{rates[2] / rates[1]:.2f}x" if 1 in rates and 2 in rates else "-"
-        print(f"{w:>7} | " + " | ".join(f"{rates[k]:>11.0f}" for k in args.shards) + f" | {ratio}", flush=True)
+        for processes in ([False, True] if args.processes else [False]):
+            rates, cpus = {}, {}
+            for k in args.shards:
+                cpus[k] = {}
+                rates[k] = async_updates_per_s(w, k, args.model_kb * 1024, args.window_s, processes=processes,
+                                               cpu=cpus[k])
+            ratio = f"{rates[2] / rates[1]:.2f}x" if 1 in rates and 2 in rates else "-"
+            cells = " | ".join(f"{rates[k]:>11.0f} | {cpus[k]['per_update_ms']:>10.3f}" for k in args.shards)
+            print(f"{w:>7} | {'processes' if processes else 'threads':>9} | {cells} | {ratio}", flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
 
 

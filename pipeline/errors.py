@@ -87,10 +87,12 @@ class WorkerTrainingFailedError(ShardlineError):
     """One or more barrier tasks failed. Carries {rank: WorkerFailure} with each rank's log tail."""
 
     def __init__(self, failures: dict[int, WorkerFailure], attempt: int = 1, cause: str = "",
-                 stopped: dict[int, str] | None = None):
+                 stopped: dict[int, str] | None = None, server_error: str = ""):
         self.failures = dict(sorted(failures.items()))
         self.attempt = attempt
         self.cause = cause
+        # What failed on the server's side and took the ranks down (ps.server_processes: a dead shard process).
+        self.server_error = server_error
         # Ranks that did not fail themselves but stopped because of the failures above: {rank: why}.
         self.stopped = dict(sorted((stopped or {}).items()))
         super().__init__(self._render())
@@ -98,6 +100,8 @@ class WorkerTrainingFailedError(ShardlineError):
     def _render(self) -> str:
         ranks = ", ".join(str(r) for r in self.failures) or "unknown"
         lines = [f"training failed on rank(s) {ranks} (attempt {self.attempt})"]
+        if self.server_error:  # first: it is the cause, and reports cut long texts at the end
+            lines.append(f"--- the parameter server: {self.server_error}")
         for rank, failure in self.failures.items():
             lines.append(f"--- rank {rank}: {failure.error}")
             if failure.log_tail:

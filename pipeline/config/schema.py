@@ -324,6 +324,10 @@ class PSConfig(_Section):
     # than the push it hides (bench/step_profile_bench.py --compare ps.overlap=true measures it).
     overlap: bool = False
     bucket_mb: float = Field(1.0, gt=0, le=1024)  # overlap: the bucket (server slice) size in MB
+    # Each server shard (ps.shards of them) in a child process of its own on the same host, same address,
+    # secret and wire (pipeline/ps/shard_proxy.py): the shards use one core each instead of sharing one GIL.
+    # A killed shard process fails the attempt naming it; the retry resumes from the newest checkpoint.
+    server_processes: bool = False
     # Sparse embedding tables on the PS (pipeline/config/sparse.py, docs/training.md "Sparse embedding tables").
     sparse: SparseConfig = Field(default_factory=SparseConfig)
 

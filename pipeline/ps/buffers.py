@@ -43,6 +43,15 @@ class BufferStore:
         self._reports: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        # ps.server_processes: shard 0's store travels to its child process (a pipe to its own child)
+        with self._lock:
+            return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def report(self, rank: int, words: torch.Tensor) -> None:
         """This rank's buffers now (copied: ``words`` may alias a receive buffer)."""
         if words.numel() != self.words:

@@ -88,28 +88,81 @@ class ParameterServer:
         self._settings = settings
         # The model's buffers live beside shard 0's parameters (pipeline.ps.buffers).
         self._buffers = buffers
-        self._board = FailureBoard(on_failure) if len(self._ranges) > 1 or on_failure is not None else None
-        self._shards = [
-            ShardServer(flat[start:end], settings, world_size=world_size, secret=secret, host=host,
-                        port=port if i == 0 else 0, generation=generation,
-                        # Metrics are sent once per report, to shard 0.
-                        on_metrics=on_metrics if i == 0 else None, shard_index=i, start=start,
-                        total_params=self._num_params, failure_sink=self._board,
-                        buffers=buffers if i == 0 else None, tls=tls,
-                        sparse=sparse if i == 0 else None)  # sparse tables beside shard 0 (pipeline.ps.sparse)
-            for i, (start, end) in enumerate(self._ranges)
-        ]
+        processes = settings.server_processes
+        if processes and sparse is not None:
+            # The row store is plain state (pipeline.ps.sparse) but the child's ShardInit does not carry it yet.
+            raise PSError("sparse embedding tables (ps.sparse.min_rows) are served by in-process shards only: "
+                          "set ps.server_processes=false, or ps.sparse.min_rows=0 to keep every table dense")
+        self._death: str | None = None
+        # Shards in child processes always report failures to this process's board, which mirrors them.
+        self._board = (FailureBoard(on_failure) if len(self._ranges) > 1 or on_failure is not None or processes
+                       else None)
+        member = dict(settings=settings, world_size=world_size, secret=secret, host=host, port=port,
+                      on_metrics=on_metrics, tls=tls, flat=flat)
+        if processes:
+            from pipeline.ps.shard_proxy import BuffersInChild
+
+            member["buffers"], self._buffers = buffers, (
+                None if buffers is None else BuffersInChild(lambda: self._shards[0], buffers.words))
+            self._member = lambda i, gen: self._shard_process(i, gen, **member)
+        else:
+            self._member = lambda i, gen: self._shard_thread(i, gen, buffers=buffers, sparse=sparse, **member)
+        self._shards: list[Any] = []
+        try:
+            for i in range(len(self._ranges)):
+                self._shards.append(self._member(i, generation))
+        except BaseException:
+            for shard in self._shards:  # children already spawned are reaped
+                shard.close()
+            raise
         if self._board is not None:
             self._board.attach(self._shards)
         self._group = ServerGroup(self._shards, name="shards", mixed=MixedVersionsText(
             "shards", " (a rank died between its pushes)", f"{SHARDS_KEY}=1 avoids this"))
         self._started = False
 
+    def _shard_thread(self, i: int, generation: int, *, flat: torch.Tensor, port: int, on_metrics: Any,
+                      buffers: BufferStore | None, sparse: Any, **common: Any) -> ShardServer:
+        start, end = self._ranges[i]
+        # Metrics are sent once per report, to shard 0 (and the model's buffers and sparse tables live beside it).
+        return ShardServer(flat[start:end], port=port if i == 0 else 0, generation=generation,
+                           on_metrics=on_metrics if i == 0 else None, shard_index=i, start=start,
+                           total_params=self._num_params, failure_sink=self._board,
+                           buffers=buffers if i == 0 else None, sparse=sparse if i == 0 else None, **common)
+
+    def _shard_process(self, i: int, generation: int, *, flat: torch.Tensor, port: int, on_metrics: Any,
+                       buffers: BufferStore | None, **common: Any) -> Any:
+        from pipeline.ps.shard_process import ShardInit
+        from pipeline.ps.shard_proxy import ShardProcess
+
+        start, end = self._ranges[i]
+        init = ShardInit("dense", flat[start:end].clone(), port=port if i == 0 else 0, generation=generation,
+                         shard_index=i, start=start, total_params=self._num_params,
+                         buffers=buffers if i == 0 else None, report_failures=True,
+                         forward_metrics=i == 0 and on_metrics is not None, **common)
+        return ShardProcess(init, failure_sink=self._board, on_metrics=on_metrics if i == 0 else None,
+                            on_death=self._shard_died)
+
+    def _shard_died(self, text: str) -> None:
+        """A shard process died: every other shard fails its waiters with the one text naming it."""
+        if self._death is None:
+            self._death = text
+        self.fail(text)
+
+    @property
+    def failure_cause(self) -> str | None:
+        """ps.server_processes: the first shard process death of this generation (the attempt's cause)."""
+        return self._death
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> ParameterServer:
         """Bind every shard (OS-chosen ports except shard 0's ``port``), then announce the layout."""
         self._started = True
         self._group.start()
+        self._announce_layout()
+        return self
+
+    def _announce_layout(self) -> None:
         if len(self._shards) > 1:
             # No worker knows any address before start() returns, so every WELCOME has the layout.
             layout = self.shards
@@ -117,7 +170,33 @@ class ParameterServer:
                 shard.set_layout(layout)
             logger.info("parameter server: %s shards %s", len(layout),
                         ", ".join(f"{a.host}:{a.port}[{a.start},{a.end})" for a in layout))
-        return self
+
+    def revive(self) -> list[int]:
+        """ps.server_processes: replace each dead shard process by a fresh one (at this generation, its
+        state to be loaded from a checkpoint), announce the new layout; returns the revived indices."""
+        dead = [i for i, s in enumerate(self._shards) if getattr(s, "dead", False)]
+        if not dead:
+            return []
+        generation = self.generation
+        for i in dead:
+            self._shards[i].close()  # reaps the dead child
+            self._shards[i] = self._member(i, generation)
+            self._group.members[i] = self._shards[i]
+            self._shards[i].start()
+        if self._board is not None:
+            self._board.attach(self._shards)
+        self._announce_layout()
+        logger.warning("parameter server: revived shard process(es) %s", dead)
+        return dead
+
+    def server_cpu_seconds(self) -> float:
+        """CPU seconds the server used so far: its shard processes' own (ps.server_processes), else this
+        whole process's (the shards are threads of it)."""
+        if self._settings.server_processes:
+            return sum(s.cpu_seconds() for s in self._shards)
+        import time
+
+        return time.process_time()
 
     def __enter__(self) -> ParameterServer:
         return self if self._started else self.start()
@@ -141,6 +220,7 @@ class ParameterServer:
             self._board.reset()
         if self._buffers is not None:
             self._buffers.fold()
+        self._death = None
         return new
 
     # -- read-only views ---------------------------------------------------------------------------
@@ -248,6 +328,9 @@ class ParameterServer:
                 **({"sparse": states[0]["sparse"]} if "sparse" in states[0] else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.revive():
+            # The surviving shards may hold pushes of the step the dead one cut; a new generation drops them.
+            self._group.new_generation(None, refuse_mixed_versions=False)
         if self._buffers is not None and state.get("buffers") is not None:
             # A checkpoint from before buffers were state has none: the workers keep their initial ones.
             self._buffers.restore(state["buffers"])

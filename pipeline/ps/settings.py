@@ -37,6 +37,8 @@ class PSSettings:
     # many bytes instead (one shard each: the gradient buckets a worker pushes while backward runs,
     # pipeline.worker.buckets); 0: exactly ``shards`` slices.
     bucket_bytes: int = 0
+    # ps.server_processes: each shard runs in a child process of its own (pipeline.ps.shard_proxy)
+    server_processes: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, OptimizerSpec):
@@ -56,6 +58,8 @@ class PSSettings:
             raise PSError(f"{SHARDS_KEY} must be an integer >= 1, got {self.shards!r}")
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
             raise PSError(f"{BUCKET_KEY} must give a bucket size >= 0 bytes, got {self.bucket_bytes!r}")
+        if not isinstance(self.server_processes, bool):
+            raise PSError(f"ps.server_processes must be true or false, got {self.server_processes!r}")
 
     def shards_for(self, num_params: int) -> int:
         """How many slices ``num_params`` fp32 parameters are served in: ``shards``, or with buckets on and

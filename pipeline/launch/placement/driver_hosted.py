@@ -159,6 +159,10 @@ class DriverPS:
         except WorkerTrainingFailedError as failure:
             if self.monitor is not None and self.monitor.accounts_for(failure):
                 return []  # the monitor stopped training (or the guard took a NaN): the best epoch is the result
+            died = getattr(server, "failure_cause", None)  # ps.server_processes: a shard process died
+            if died:
+                raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped,
+                                                server_error=died) from failure
             raise
         return rows
 
