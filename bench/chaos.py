@@ -13,9 +13,9 @@ then `run_pipeline --resume`. Where training is (the step) and which process run
 Then it checks: every (rank, step) applied exactly once (the final checkpoint's `steps_applied_by_rank`,
 and one record per (rank, step) whose rows are every train row once per epoch), every epoch's metrics
 present once in MLflow, and test accuracy within 0.5 pp of the same run without faults (run first). It
-prints a table: fault, injected at step, recovered?, recovery seconds (from the injection until a step two
-past the injection point was recorded: detection, the retry or the resume, and redoing the steps after
-the state it resumed from). Exit status 0 only if every check holds.
+prints a table: fault, injected at step, recovered?, recovery seconds (from the injection until the first
+step of the next attempt, or of the resumed driver: detection, the failed attempt's teardown, scheduling
+the retry, the workers' start; for the driver kill the whole restart). Exit status 0 only if every check holds.
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ class Injection:
     fault: str
     step: int  # the highest step any rank had recorded when the fault was injected
     at: float  # time.time() of the injection
+    generation: int = 0  # the newest attempt generation recorded by then
+    driver: int = 0  # which driver process ran (0: the first; the --resume one: 1)
     recovered_at: Optional[float] = None
 
     @property
@@ -68,20 +70,29 @@ def plan_steps(rng: random.Random, total: int, count: int, margin: int) -> list[
 
 
 def settle(injections: list[Injection], records: list[dict]) -> None:
-    """Each injection's recovery: the first record, after it, of a step two past the highest step recorded
-    when it was injected (sync ranks can record at most the step in flight before a failure shows; two
-    past it needs a working attempt). ``records``: every record, retried ones included (``all_records``)."""
+    """Each injection's recovery: the first step recorded after it by a later attempt (a higher generation
+    of the same driver) or, for the driver kill, by the resumed driver. A fault that failed no attempt
+    is not recovered from (it did not happen as a fault). ``records``: every record (``all_records``),
+    each with the driver that wrote it."""
     for injection in injections:
-        later = [r["t"] for r in records if r["t"] > injection.at and r["step"] >= injection.step + 2]
+        later = [r["t"] for r in records if r["t"] > injection.at and
+                 (r["driver"] > injection.driver or r["driver"] == injection.driver
+                  and r["generation"] > injection.generation)]
         injection.recovered_at = min(later) if later else None
 
 
-def all_records(folder: Path) -> list[dict]:
-    """Every step record of the run, undone ones included (read_steps keeps only the last per step)."""
+def all_records(folder: Path, resumed_at: Optional[float] = None) -> list[dict]:
+    """Every step record of the run, undone ones included (read_steps keeps only the last per step), each
+    marked with its driver: 1 when written after ``resumed_at`` (the --resume driver's start), else 0."""
     found = []
     for path in sorted(folder.glob("rank*-pid*.jsonl")):
         with open(path) as lines:
-            found += [{k: v for k, v in json.loads(line).items() if k != "rows"} for line in lines if line.strip()]
+            for line in lines:
+                if line.strip():
+                    entry = {k: v for k, v in json.loads(line).items() if k != "rows"}
+                    entry.setdefault("generation", 0)
+                    entry["driver"] = int(resumed_at is not None and entry["t"] >= resumed_at)
+                    found.append(entry)
     return found
 
 
@@ -177,6 +188,15 @@ class Progress:
                     except ValueError:
                         continue
         return best
+
+    def generation(self) -> int:
+        """The newest attempt generation in the newest record file (0: none yet)."""
+        files = self.files()
+        if not files:
+            return 0
+        with open(files[-1], "rb") as f:
+            last = f.read().splitlines()[-1:]
+        return int(json.loads(last[0]).get("generation", 0)) if last else 0
 
     def worker_pid(self, rank: int) -> int:
         """The Python worker that recorded ``rank``'s latest step."""
@@ -287,21 +307,25 @@ def main() -> int:
     progress = Progress(record)
     log = chaos_dir / "driver.log"
     driver = submit(args.master, overrides(chaos_dir, args.epochs, record), log)
-    injections = []
+    injections, resumed_at = [], None
     try:
         deadline = time.monotonic() + 900
         for fault, step in zip(FAULTS, at):
             reached = wait_step(progress, step, driver, deadline)
             rank = rng.randrange(cfg.parallelism.data)
-            injection = Injection(fault, reached, time.time())
+            injection = Injection(fault, reached, time.time(), progress.generation(), driver=0)
             print(f"  step {reached}: {fault} (rank {rank})", flush=True)
             inject(fault, rank, progress, log, driver)
             injections.append(injection)
             if fault == FAULTS[4]:
+                resumed_at = time.time()
                 driver = submit(args.master, overrides(chaos_dir, args.epochs, record), chaos_dir / "resume.log",
                                 resume=True)
-            else:
-                wait_step(progress, reached + 1, driver, deadline)
+            else:  # the next fault only once a new attempt is stepping
+                while progress.generation() <= injection.generation:
+                    if driver.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"no new attempt after: {fault}")
+                    time.sleep(0.05)
         driver.wait(timeout=900)
     finally:
         if driver.poll() is None:
@@ -318,7 +342,7 @@ def main() -> int:
     from pipeline.worker.row_log import read_steps, row_digests
 
     records = read_steps(str(record))
-    settle(injections, all_records(record))
+    settle(injections, all_records(record, resumed_at))
     (root / "injections.json").write_text(json.dumps([vars(i) for i in injections], indent=1))
     store = CheckpointStore(Workdir.of(cfg).checkpoints)
     final = store.load(store.latest())

@@ -264,9 +264,8 @@ class TrainConfig(_Section):
     # Per-step timing breakdown (data wait, forward, backward, exchange parts, ...) in every epoch row
     # as time/*_ms; off: no extra clock reads in the step loop.
     profile: bool = False
-    # Elastic start: when preflight finds fewer task slots than parallelism.data, train with the slots there
-    # are if at least this many (logged as a WARNING, recorded as the MLflow param parallelism.data_asked);
-    # null: fail instead. The workers that ran are recorded in the checkpoints; --resume may use another count.
+    # Fewer task slots than parallelism.data: train with the slots there are if at least this many (a WARNING,
+    # MLflow param parallelism.data_asked); null: fail instead (docs/operations.md, elastic resume).
     min_workers: Optional[int] = Field(None, ge=1, le=1024)
 
 

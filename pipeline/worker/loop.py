@@ -48,7 +48,7 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
 
     seed_rank(plan)
     started = time.perf_counter()
-    faults = FaultHooks(plan.faults, plan.rank)
+    faults = FaultHooks(plan.faults, plan.rank, plan.generation)
     with ps_session(plan, ps_host, ps_port, secret, log_tail=log_tail, tls=tls) as (client, info):
         loader = make_train_loader(plan)
         validation = (read_tensors(plan.validation_files, plan.features_field, plan.label_field,

@@ -1,6 +1,7 @@
 """faults.record_rows_dir: which rows each rank trained on, step by step (the exactly-once drills' record).
 
-One JSON line per step a rank hands to the exchange: {"rank", "epoch", "step", "rows": [digest, ...]}, a
+One JSON line per step a rank hands to the exchange: {"rank", "epoch", "step", "generation" (the attempt's),
+"t", "rows": [digest, ...]}, a
 row's digest the blake2b of its feature and label bytes, so two runs (or the legs of a resumed one) can be
 compared row for row without a row id column. Steps that a failure later undid appear too: readers keep
 the lines below the step a run resumed from (``read_steps``)."""
@@ -26,11 +27,12 @@ def row_digests(x, y) -> list[str]:
             for i in range(len(labels))]
 
 
-def record_step(folder: str, rank: int, epoch: int, step: int, x, y) -> None:
+def record_step(folder: str, rank: int, epoch: int, step: int, x, y, generation: int = 0) -> None:
     os.makedirs(folder, exist_ok=True)
     import time
 
-    line = json.dumps({"rank": rank, "epoch": epoch, "step": step, "t": time.time(), "rows": row_digests(x, y)})
+    line = json.dumps({"rank": rank, "epoch": epoch, "step": step, "generation": generation, "t": time.time(),
+                       "rows": row_digests(x, y)})
     with open(os.path.join(folder, f"rank{rank}-pid{os.getpid()}.jsonl"), "a") as out:
         out.write(line + "\n")
 

@@ -176,9 +176,10 @@ class InjectedFault(RuntimeError):
 class FaultHooks:
     """The ``faults.*`` hooks of this attempt for global rank ``rank`` (all off in a default FaultPlan)."""
 
-    def __init__(self, faults: FaultPlan, rank: int):
+    def __init__(self, faults: FaultPlan, rank: int, generation: int = 0):
         self.faults = faults
         self.rank = rank
+        self.generation = generation  # the attempt's PS generation, in faults.record_rows_dir's records
 
     def before_step(self, step: int) -> None:
         faults, rank = self.faults, self.rank
@@ -210,7 +211,7 @@ class FaultHooks:
         if self.faults.record_dir is not None:
             from pipeline.worker.row_log import record_step
 
-            record_step(self.faults.record_dir, self.rank, epoch, step, x, y)
+            record_step(self.faults.record_dir, self.rank, epoch, step, x, y, self.generation)
 
     def joining_group(self) -> None:
         """Before joining an allreduce process group (faults.fail_in_rendezvous)."""

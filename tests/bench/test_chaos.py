@@ -50,24 +50,29 @@ def test_accounting_holds_for_a_clean_record_and_names_each_break(chaos):
     assert "steps_applied_by_rank is {0: 8, 1: 7}" in chaos.accounting(records, every, 2, 2, {0: 8, 1: 7}, 8)[0]
 
 
-def test_recovery_is_the_first_record_two_steps_past_the_injection_and_the_table_says_so(chaos):
-    # step 12 injected at t=2.5; the in-flight step 13 is still recorded at 2.6 (then the attempt fails),
-    # the retry redoes 13 at 5.0 and reaches 14 at 5.5; an injection at step 40 never recovers
-    records = [{"step": s, "t": t} for s, t in ((11, 1.0), (12, 2.0), (13, 2.6), (13, 5.0), (14, 5.5), (15, 9.0))]
-    done = chaos.Injection("python worker killed", 12, 2.5)
-    never = chaos.Injection("driver killed, --resume", 40, 9.5)
-    chaos.settle([done, never], records)
-    assert done.recovered and done.seconds == pytest.approx(3.0)
-    assert not never.recovered and never.seconds is None
-    lines = chaos.table([done, never]).splitlines()
+def test_recovery_is_the_first_step_of_the_next_attempt_or_driver_and_the_table_says_so(chaos):
+    # generation 1 records step 13 still after the injection at t=2.5 (the failure shows later); the retry
+    # (generation 2) steps at 5.5; the killed driver's successor (driver 1, generation 1 again) at 9.0
+    records = [{"step": s, "t": t, "generation": g, "driver": d}
+               for s, t, g, d in ((12, 2.0, 1, 0), (13, 2.6, 1, 0), (13, 5.5, 2, 0), (30, 7.0, 2, 0), (25, 9.0, 1, 1))]
+    killed = chaos.Injection("python worker killed", 12, 2.5, generation=1)
+    driver = chaos.Injection("driver killed, --resume", 30, 7.5, generation=2)
+    idle = chaos.Injection("PS connection dropped", 31, 9.5, generation=1, driver=1)
+    chaos.settle([killed, driver, idle], records)
+    assert killed.recovered and killed.seconds == pytest.approx(3.0)
+    assert driver.seconds == pytest.approx(1.5)
+    assert not idle.recovered and idle.seconds is None
+    lines = chaos.table([killed, idle]).splitlines()
     assert lines[0].split() == ["fault", "injected", "at", "step", "recovered?", "recovery", "s"]
-    assert lines[1].split()[-3:] == ["12", "yes", "3.0"] and lines[2].split()[-3:] == ["40", "NO", "-"]
+    assert lines[1].split()[-3:] == ["12", "yes", "3.0"] and lines[2].split()[-3:] == ["31", "NO", "-"]
 
 
-def test_all_records_keeps_the_undone_steps(chaos, tmp_path):
+def test_all_records_keeps_the_undone_steps_and_tells_the_drivers_apart(chaos, tmp_path):
     (tmp_path / "rank0-pid1.jsonl").write_text('{"rank": 0, "epoch": 0, "step": 3, "t": 1.0, "rows": ["a"]}\n')
-    (tmp_path / "rank0-pid2.jsonl").write_text('{"rank": 0, "epoch": 0, "step": 3, "t": 2.0, "rows": ["a"]}\n')
-    assert [r["t"] for r in chaos.all_records(tmp_path)] == [1.0, 2.0]
+    (tmp_path / "rank0-pid2.jsonl").write_text(
+        '{"rank": 0, "epoch": 0, "step": 3, "generation": 1, "t": 2.0, "rows": ["a"]}\n')
+    found = chaos.all_records(tmp_path, resumed_at=1.5)
+    assert [(r["t"], r["generation"], r["driver"]) for r in found] == [(1.0, 0, 0), (2.0, 1, 1)]
 
 
 def test_epochs_logged_once(chaos):
