@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from pipeline.errors import PSError
@@ -26,6 +27,43 @@ if TYPE_CHECKING:  # torch stays out of module import time
     import torch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """ps.server_processes: what shard 0's child needs of the store, the base buffers (a PULL_BUFFERS'
+    answer); reports travel back to the driver's store, which keeps the merge rule (the model's)."""
+
+    base: torch.Tensor
+
+
+class BufferMirror:
+    """Shard 0's buffers in its child process: answers PULL_BUFFERS from the base the driver set, and
+    hands each rank's BUFFERS report to ``forward`` (the events pipe to the driver's store), counting them."""
+
+    def __init__(self, spec: BufferSpec, forward: Callable[[int, torch.Tensor], None]) -> None:
+        self._base = spec.base.reshape(-1).clone()
+        self.words = self._base.numel()
+        self._forward = forward
+        self._lock = threading.Lock()
+        self.forwarded = 0
+
+    def report(self, rank: int, words: torch.Tensor) -> None:
+        if words.numel() != self.words:
+            raise PSError(f"rank {rank} sent {words.numel()} buffer words, the model has {self.words}")
+        with self._lock:  # counted in send order: the driver waits for this many before reading merged()
+            self._forward(rank, words.detach().reshape(-1).clone())
+            self.forwarded += 1
+
+    def start(self) -> torch.Tensor:
+        with self._lock:
+            return self._base.clone()
+
+    def set_base(self, words: torch.Tensor) -> None:
+        """The driver folded or restored its store (no rank is reporting then): counts start again."""
+        with self._lock:
+            self._base = words.reshape(-1).clone()
+            self.forwarded = 0
 
 
 class BufferStore:
@@ -41,15 +79,6 @@ class BufferStore:
             raise PSError(f"initial buffers must be a non-empty fp32 word vector, got {base.numel()} {base.dtype}")
         self._base = base.clone()
         self._reports: dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict:
-        # ps.server_processes: shard 0's store travels to its child process (a pipe to its own child)
-        with self._lock:
-            return {k: v for k, v in self.__dict__.items() if k != "_lock"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
         self._lock = threading.Lock()
 
     def report(self, rank: int, words: torch.Tensor) -> None:

@@ -103,7 +103,7 @@ class ParameterServer:
             from pipeline.ps.shard_proxy import BuffersInChild
 
             member["buffers"], self._buffers = buffers, (
-                None if buffers is None else BuffersInChild(lambda: self._shards[0], buffers.words))
+                None if buffers is None else BuffersInChild(buffers, lambda: self._shards[0]))
             self._member = lambda i, gen: self._shard_process(i, gen, **member)
         else:
             self._member = lambda i, gen: self._shard_thread(i, gen, buffers=buffers, sparse=sparse, **member)
@@ -132,16 +132,17 @@ class ParameterServer:
 
     def _shard_process(self, i: int, generation: int, *, flat: torch.Tensor, port: int, on_metrics: Any,
                        buffers: BufferStore | None, **common: Any) -> Any:
-        from pipeline.ps.shard_process import ShardInit
+        from pipeline.ps.buffers import BufferSpec
+        from pipeline.ps.shard_init import ShardInit
         from pipeline.ps.shard_proxy import ShardProcess
 
         start, end = self._ranges[i]
+        spec = BufferSpec(buffers.start()) if i == 0 and buffers is not None else None
         init = ShardInit("dense", flat[start:end].clone(), port=port if i == 0 else 0, generation=generation,
-                         shard_index=i, start=start, total_params=self._num_params,
-                         buffers=buffers if i == 0 else None, report_failures=True,
+                         shard_index=i, start=start, total_params=self._num_params, buffers=spec, report_failures=True,
                          forward_metrics=i == 0 and on_metrics is not None, **common)
         return ShardProcess(init, failure_sink=self._board, on_metrics=on_metrics if i == 0 else None,
-                            on_death=self._shard_died)
+                            on_death=self._shard_died, on_buffers=None if spec is None else self._buffers.report)
 
     def _shard_died(self, text: str) -> None:
         """A shard process died: every other shard fails its waiters with the one text naming it."""

@@ -10,9 +10,9 @@ Spark's threads). The three file descriptors are pipes to the parent only:
 * events (child -> parent): what the shard's connection threads tell the driver unasked, a rank's
   failure (the parent's ``FailureBoard`` decides the verdict and mirrors it to every shard) and METRICS.
 
-The messages are Python objects (``control_pipe.Pipe``, the one module of ``pipeline.ps`` that
-deserializes objects, and only from these pipes: see its docstring); the network side of the child is
-the unchanged shard (same wire, handshake, deadlines and refusals). The parent's end closing (the driver exited or was killed) closes
+The messages are data only (``control_pipe``: tagged JSON plus raw tensor bytes, objects rebuilt only
+as a fixed set of dataclasses); the network side of the child is the unchanged shard (same wire,
+handshake, deadlines and refusals). The parent's end closing (the driver exited or was killed) closes
 the shard and ends the process, so a child never outlives its driver.
 
 What the child hosts is generic: ``HOSTED`` maps a kind to a builder of "a shard's state" plus the
@@ -27,31 +27,12 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from pipeline.ps.shard_init import ShardInit
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ShardInit:
-    """Everything a child needs to build its shard; sent once, over the requests pipe."""
-
-    kind: str  # a key of HOSTED
-    initial: Any  # the fp32 slice this shard owns (a torch.Tensor)
-    settings: Any  # pipeline.ps.settings.PSSettings
-    world_size: int
-    secret: bytes = field(repr=False)
-    host: str
-    port: int
-    generation: int
-    shard_index: int
-    start: int
-    total_params: int
-    buffers: Any = None  # pipeline.ps.buffers.BufferStore (shard 0 only)
-    tls: Any = None  # pipeline.wire.tls.ServerCert
-    report_failures: bool = False  # True: failures go to the parent's board, which mirrors them back
-    forward_metrics: bool = False
 
 
 # Read-only views the parent may ask for (``get``), and the calls it may make (``call``).
@@ -59,7 +40,7 @@ DENSE_VIEWS = frozenset({"address", "version", "generation", "aborted", "registe
                          "failures", "root_failures", "waiting_ranks", "stats"})
 DENSE_CALLS = frozenset({"start", "close", "fail", "new_generation", "set_layout", "mark_failure", "state_dict",
                          "load_state_dict", "parameters"})
-BUFFER_CALLS = frozenset({"merged", "fold", "restore", "reported_ranks"})
+BUFFER_CALLS = frozenset({"set_base"})
 
 
 class _Events:
@@ -77,7 +58,7 @@ class _Events:
                 pass
 
 
-def _build_dense(init: ShardInit, events: _Events) -> Any:
+def _build_dense(init: ShardInit, events: _Events, buffers: Any) -> Any:
     from pipeline.errors import WorkerFailure
     from pipeline.ps.shard import ShardServer
 
@@ -90,14 +71,14 @@ def _build_dense(init: ShardInit, events: _Events) -> Any:
 
     return ShardServer(init.initial, init.settings, world_size=init.world_size, secret=init.secret, host=init.host,
                        port=init.port, generation=init.generation, shard_index=init.shard_index, start=init.start,
-                       total_params=init.total_params, buffers=init.buffers, tls=init.tls,
+                       total_params=init.total_params, buffers=buffers, tls=init.tls,
                        failure_sink=sink if init.report_failures else None,
                        on_metrics=metrics if init.forward_metrics else None)
 
 
 @dataclass(frozen=True)
 class Hosted:
-    build: Callable[[ShardInit, _Events], Any]
+    build: Callable[[ShardInit, _Events, Any], Any]
     views: frozenset
     calls: frozenset
 
@@ -113,6 +94,8 @@ def _handle(hosted: Hosted, shard: Any, buffers: Any, op: str, args: tuple) -> A
         return None if result is shard else result  # start() returns the shard itself
     if op == "buffers" and buffers is not None and args and args[0] in BUFFER_CALLS:
         return getattr(buffers, args[0])(*args[1:])
+    if op == "buffers" and buffers is not None and args == ("forwarded",):
+        return buffers.forwarded
     if op == "cpu":  # this process's CPU seconds (user + system, every thread): the bench's per-update cost
         return time.process_time()
     raise ValueError(f"the shard process does not answer {op!r} {args[:1]!r}")
@@ -125,7 +108,13 @@ def serve(requests: Any, replies: Any, events_conn: Any) -> None:
         raise SystemExit(f"shard process: the first message must be a ShardInit of a known kind, got "
                          f"{type(init).__name__} {getattr(init, 'kind', '')!r}")  # never its repr: the secret
     hosted = HOSTED[init.kind]
-    shard = hosted.build(init, _Events(events_conn))
+    events = _Events(events_conn)
+    buffers = None
+    if init.buffers is not None:
+        from pipeline.ps.buffers import BufferMirror
+
+        buffers = BufferMirror(init.buffers, lambda rank, words: events.send("buffers", rank, words))
+    shard = hosted.build(init, events, buffers)
     try:
         while True:
             try:
@@ -134,7 +123,7 @@ def serve(requests: Any, replies: Any, events_conn: Any) -> None:
                 logger.info("parameter server shard %s: the driver's end closed, shutting down", init.shard_index)
                 return
             try:
-                replies.send(("ok", _handle(hosted, shard, init.buffers, op, args)))
+                replies.send(("ok", _handle(hosted, shard, buffers, op, args)))
             except Exception as exc:  # the parent re-raises it as a PSError naming this shard
                 replies.send(("error", f"{type(exc).__name__}: {exc}"))
             if op == "call" and args[0] == "close":

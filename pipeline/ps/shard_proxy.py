@@ -28,7 +28,7 @@ from pipeline.errors import PSError, WorkerFailure
 from pipeline.ps.connection import ShardAddress
 from pipeline.ps.modes import Consistency
 from pipeline.ps.control_pipe import Pipe
-from pipeline.ps.shard_process import ShardInit
+from pipeline.ps.shard_init import ShardInit
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,12 @@ class ShardProcess:
     children of a server import torch at the same time; ``start()`` binds and returns the address."""
 
     def __init__(self, init: ShardInit, *, failure_sink: Callable[[WorkerFailure, bool, int], None] | None,
-                 on_metrics: Callable[[int, dict], None] | None, on_death: Callable[[str], None]) -> None:
+                 on_metrics: Callable[[int, dict], None] | None, on_death: Callable[[str], None],
+                 on_buffers: Callable[[int, Any], None] | None = None) -> None:
         self._index, self._start, self._num_params = init.shard_index, init.start, init.initial.numel()
         self._consistency: Consistency = init.settings.consistency
         self._failure_sink, self._on_metrics, self._on_death = failure_sink, on_metrics, on_death
+        self._on_buffers = on_buffers
         self._lock = threading.Lock()  # one call at a time: replies come back in order
         self._closing = False
         self._death: str | None = None
@@ -127,6 +129,8 @@ class ShardProcess:
         if kind == "failure" and self._failure_sink is not None:
             rank, error, log_tail, retryable, consequence, generation = message[1:]
             self._failure_sink(WorkerFailure(rank, error, log_tail, retryable), consequence, generation)
+        elif kind == "buffers" and self._on_buffers is not None:
+            self._on_buffers(message[1], message[2])
         elif kind == "metrics" and self._on_metrics is not None:
             try:
                 self._on_metrics(message[1], message[2])
@@ -277,23 +281,52 @@ class ShardProcess:
 
 
 class BuffersInChild:
-    """The facade's view of the model buffers that shard 0's child keeps (``buffers.BufferStore``)."""
+    """The facade's buffer store with ps.server_processes: the driver's own ``BufferStore`` (the model's
+    merge rule stays here), fed by shard 0's child, whose mirror answers PULL_BUFFERS from the base set
+    here (at the start, after ``fold`` and ``restore``)."""
 
-    def __init__(self, shard: Callable[[], ShardProcess], words: int) -> None:
+    _SYNC_S = 10.0
+
+    def __init__(self, store: Any, shard: Callable[[], ShardProcess]) -> None:
+        self._store = store
         self._shard = shard  # the current shard 0 (a revived child replaces the dead one)
-        self.words = words
+        self._received = 0
+        self._cond = threading.Condition()
+        self.words = store.words
+
+    def report(self, rank: int, words: Any) -> None:
+        """A rank's BUFFERS, forwarded by the child (the events reader's thread)."""
+        self._store.report(rank, words)
+        with self._cond:
+            self._received += 1
+            self._cond.notify_all()
+
+    def _sync(self) -> None:
+        """Wait until every report the child acknowledged to a worker is in the store."""
+        try:
+            forwarded = self._shard().buffers_call("forwarded")
+        except PSError:
+            return  # a dead child: what it forwarded before dying is all there is
+        with self._cond:
+            self._cond.wait_for(lambda: self._received >= forwarded, self._SYNC_S)
 
     def merged(self) -> Any:
-        return self._shard().buffers_call("merged")
+        self._sync()
+        return self._store.merged()
 
     def fold(self) -> None:
-        self._shard().buffers_call("fold")
+        self._sync()
+        self._store.fold()
+        self._push_base()
 
     def restore(self, words: Any) -> None:
-        self._shard().buffers_call("restore", words)
+        self._store.restore(words)
+        self._push_base()
 
-    def reported_ranks(self) -> set[int]:
-        return self._shard().buffers_call("reported_ranks")
+    def _push_base(self) -> None:
+        self._shard().buffers_call("set_base", self._store.start())
+        with self._cond:
+            self._received = 0  # a new child or a folded store: counts start again with the child's
 
 
 def _has_fileno(stream: Any) -> bool:

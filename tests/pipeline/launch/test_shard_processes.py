@@ -37,7 +37,7 @@ def test_a_sigkilled_shard_process_fails_the_attempt_naming_it_and_the_retry_res
 
     cfg = build({"name": "shard-procs", "workdir": str(tmp_path), "parallelism": {"data": 2},
                  "data": {"source": "digits"}, "model": {"hidden": [32]},
-                 "train": {"epochs": 3, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "checkpoint_every": 10},
+                 "train": {"epochs": 2, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "checkpoint_every": 10},
                  "ps": {"shards": 2, "server_processes": True, "timeout_s": 20},
                  # rank 0 is held 20 ms a step in the first attempt, so the kill lands mid-run
                  "faults": {"delay_rank": 0, "delay_ms": 20}})

@@ -1,6 +1,7 @@
 """ps.server_processes: every shard in a child process of its own, behind the same facade and wire."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -10,6 +11,7 @@ import torch
 
 from pipeline.errors import PSError
 from pipeline.ps import OptimizerSpec
+from pipeline.models.state import merge_buffers
 from pipeline.ps.buffers import BufferStore
 
 N = 11
@@ -33,8 +35,9 @@ def _alive(pid: int) -> bool:
     return not open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"  # a zombie is not alive
 
 
-def _mean_merge(reports):
-    return torch.stack(list(reports.values())).mean(0)
+def _buffer_store() -> BufferStore:
+    # The model's merge rule, over a layout of one fp32 buffer of 3 values (what travels to the child as data)
+    return BufferStore(torch.zeros(3), functools.partial(merge_buffers, (("float32", 3),)))
 
 
 def test_shard_processes_train_exactly_like_shard_threads(make_server, make_client, secret):
@@ -46,14 +49,18 @@ def test_shard_processes_train_exactly_like_shard_threads(make_server, make_clie
     for processes in (False, True):
         server = make_server(initial, world_size=2, shards=2, optimizer=SGD, server_processes=processes,
                              on_metrics=lambda rank, m, got=metrics[processes]: got.append((rank, m)),
-                             buffers=BufferStore(torch.zeros(3), _mean_merge))
+                             buffers=_buffer_store())
         clients = [make_client(server, r) for r in range(2)]
         for c in clients:
             c.connect()
         _train(server, clients, grads)
         clients[1].report({"loss": 0.5})
+        assert torch.equal(clients[0].pull_buffers(), torch.zeros(3))  # the attempt's start
+        for rank, c in enumerate(clients):
+            c.push_buffers(3, torch.full((3,), float(rank + 1)))
         results.append((server.parameters(), server.state_dict(), server.stats, server.buffers()))
-    (threads, t_state, t_stats, _), (procs, p_state, p_stats, p_buffers) = results
+    (threads, t_state, t_stats, t_buffers), (procs, p_state, p_stats, p_buffers) = results
+    assert torch.equal(t_buffers, p_buffers)
     assert torch.equal(threads, procs)
     assert torch.equal(t_state["optimizer"]["state"][0]["momentum_buffer"],
                        p_state["optimizer"]["state"][0]["momentum_buffer"])
@@ -64,7 +71,8 @@ def test_shard_processes_train_exactly_like_shard_threads(make_server, make_clie
     while not metrics[True] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert metrics[True] == [(1, {"loss": 0.5})] == metrics[False]
-    assert torch.equal(p_buffers, torch.zeros(3))  # shard 0's child keeps the model buffers
+    # BUFFERS reach the driver's store through shard 0's child, merged by the model's rule (the mean)
+    assert torch.equal(p_buffers, torch.full((3,), 1.5)) and torch.equal(p_state["buffers"], p_buffers)
     for pid in pids:  # the secret travelled down a pipe: neither argv nor the environment carries it
         assert secret not in open(f"/proc/{pid}/cmdline", "rb").read()
         assert secret.hex().encode() not in open(f"/proc/{pid}/environ", "rb").read()
