@@ -306,7 +306,8 @@ class ParameterServer:
         per = [s.stats for s in self._shards]
         if len(per) == 1:
             return {**per[0], "shards": 1}
-        return {**self._group.summed_stats(per, _SUMMED_STATS), "shards": len(per), "by_shard": per}
+        sparse = {"sparse": per[0]["sparse"]} if "sparse" in per[0] else {}  # the tables live beside shard 0
+        return {**self._group.summed_stats(per, _SUMMED_STATS), "shards": len(per), "by_shard": per, **sparse}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:

@@ -71,10 +71,15 @@ def test_fp16_rows_halve_the_bytes_and_stay_close_to_fp32(secret):
         half.close()
 
 
-def test_a_checkpoint_resumes_the_rows_and_their_optimizer_state(secret):
+def test_a_checkpoint_resumes_the_rows_and_their_optimizer_state(secret, tmp_path):
+    from pipeline.checkpoints import CheckpointStore
+
     straight = _train(secret, world_size=2, steps=6)
     first = _train(secret, world_size=2, steps=3, row_shards=4)
-    state = first.state_dict()
+    store = CheckpointStore(str(tmp_path), 2)  # the run's checkpoint files: atomic, loaded weights-only
+    store.load(store.save({"step": 3, "ps": first.state_dict()}))
+    state = store.load(store.latest())["ps"]
+    assert len(state["sparse"]["a"]["shards"]) == 4  # per table, per row shard
     first.close()
     resumed = make_server(_model(), secret, world_size=2, row_opt=RowOptimizerSpec("adagrad", lr=0.2), row_shards=3)
     try:
