@@ -77,7 +77,9 @@ def test_targets_in_the_thousands_train_with_the_defaults_and_predict_on_their_s
     assert spec.target_scale == pytest.approx((train_y.mean(), train_y.std()))  # the train split's, not all rows'
     local = _local_predictions(cfg, frame)
     assert 1000 < local.mean() < 7420  # on the label's scale, not the standardized one
-    assert abs(local.mean() - frame["target"].mean()) < 0.3 * frame["target"].std()
+    # Predictions left on the standardized scale would sit ~2.3 std below the label mean; a 10-epoch model of
+    # 442 rows keeps some bias (0.33 std with the global row stream's order, under 0.3 with the per-rank one).
+    assert abs(local.mean() - frame["target"].mean()) < 0.5 * frame["target"].std()
 
     # shardline score: the tracked model's predictions, on the label's scale
     source = tmp_path / "input.parquet"
