@@ -102,44 +102,16 @@ def planned_chunks(windows: Sequence[Window], pieces: Sequence[tuple[int, int, i
 def sized_batches(chunks: Iterator[tuple], sizes: Sequence[int], pin: bool) -> Iterator[tuple]:
     """Consecutive slices of the chunk stream, of exactly ``sizes`` rows each, as torch tensors (no copy
     unless a batch straddles chunks)."""
-    import numpy as np
-    import torch
-
+    from pipeline.data.row_queue import RowQueue
     from pipeline.errors import DataError
 
-    stream: deque = deque()
-    streamed = 0
-
-    def cut(size: int):
-        nonlocal streamed
-        xs, ys, need = [], [], size
-        while need:
-            x, y = stream[0]
-            if len(y) <= need:
-                stream.popleft()
-            else:
-                stream[0] = ({key: value[need:] for key, value in x.items()}, y[need:])
-                x, y = {key: value[:need] for key, value in x.items()}, y[:need]
-            xs.append(x)
-            ys.append(y)
-            need -= len(y)
-        streamed -= size
-        if len(xs) == 1:
-            x, y = xs[0], ys[0]
-        else:
-            x, y = {key: np.concatenate([part[key] for part in xs]) for key in xs[0]}, np.concatenate(ys)
-        x, y = {key: torch.from_numpy(value) for key, value in x.items()}, torch.from_numpy(y)
-        if pin:
-            return {key: value.pin_memory() for key, value in x.items()}, y.pin_memory()
-        return x, y
-
+    queue = RowQueue(pin)
     step = 0
     for chunk in chunks:
-        stream.append(chunk)
-        streamed += len(chunk[1])
-        while step < len(sizes) and streamed >= sizes[step]:
-            yield cut(sizes[step])
+        queue.append(chunk)
+        while step < len(sizes) and queue.rows >= sizes[step]:
+            yield queue.cut(sizes[step])
             step += 1
     if step < len(sizes):
-        raise DataError(f"the shard files ended {sum(sizes[step:]) - streamed} rows short of this rank's part; "
+        raise DataError(f"the shard files ended {sum(sizes[step:]) - queue.rows} rows short of this rank's part; "
                         "re-run `shardline etl`")

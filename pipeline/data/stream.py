@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import deque
 from typing import Callable, Iterator, Optional, Sequence
 
 from pipeline.data.assignment import Segment, cut, epoch_windows, pieces, position, span, take
@@ -162,9 +161,9 @@ class StreamingLoader:
         """The epoch's batches. Rows leave the shuffle buffer in blocks (every row beyond its capacity at
         once: one vectorised random gather per row group, not one per batch) into an ordered row stream;
         batches are consecutive slices of that stream, handed to torch without copying."""
-        import numpy as np
         import torch
 
+        from pipeline.data.row_queue import RowQueue
         from pipeline.data.shuffle import ShuffleBuffer
         from pipeline.errors import DataError
 
@@ -175,36 +174,8 @@ class StreamingLoader:
         rng = epoch_rng(self.seed, self.rank, epoch) if self.shuffle else None
         buffer: Optional[ShuffleBuffer] = None
         pin = self.pin_memory if self.pin_memory is not None else torch.cuda.is_available()
-        stream: deque = deque()  # (features, labels) blocks taken from the buffer, in epoch order
-        streamed = 0  # rows in `stream`
+        queue = RowQueue(pin)  # blocks taken from the buffer, in epoch order
         step, seen = 0, 0
-
-        def cut(size: int, keep: bool = True):
-            """The next `size` rows of the stream: a view of one block, or (straddling) a small concatenation.
-            With keep=False the rows are only dropped (a resumed epoch skipping its applied steps)."""
-            nonlocal streamed
-            xs, ys, need = [], [], size
-            while need:
-                x, y = stream[0]
-                if len(y) <= need:
-                    stream.popleft()
-                else:
-                    stream[0] = ({key: value[need:] for key, value in x.items()}, y[need:])
-                    x, y = {key: value[:need] for key, value in x.items()}, y[:need]
-                xs.append(x)
-                ys.append(y)
-                need -= len(y)
-            streamed -= size
-            if not keep:
-                return None
-            if len(xs) == 1:
-                x, y = xs[0], ys[0]
-            else:
-                x, y = {key: np.concatenate([part[key] for part in xs]) for key in xs[0]}, np.concatenate(ys)
-            x, y = {key: torch.from_numpy(value) for key, value in x.items()}, torch.from_numpy(y)
-            if pin:
-                return {key: value.pin_memory() for key, value in x.items()}, y.pin_memory()
-            return x, y
 
         for features, labels in self._chunks(epoch, stop):
             if buffer is None:
@@ -223,14 +194,12 @@ class StreamingLoader:
                            labels[offset:offset + piece])
                 offset += piece
                 if len(buffer) > capacity:
-                    block = buffer.take(len(buffer) - capacity)
-                    stream.append(block)
-                    streamed += len(block[1])
-                    while step < len(sizes) and streamed >= sizes[step]:
+                    queue.append(buffer.take(len(buffer) - capacity))
+                    while step < len(sizes) and queue.rows >= sizes[step]:
                         if step >= start_step:
-                            yield cut(sizes[step])
+                            yield queue.cut(sizes[step])
                         else:
-                            cut(sizes[step], keep=False)
+                            queue.cut(sizes[step], keep=False)
                         step += 1
             del features, labels
             self.peak_buffered_rows = max(self.peak_buffered_rows, buffer.peak_rows)
@@ -240,14 +209,12 @@ class StreamingLoader:
             raise DataError(f"rank {self.rank}: read {seen} rows from {len(self.files)} shard file(s), their "
                             f"footers/manifest say {self.num_rows}; re-run `shardline etl`")
         if buffer is not None and len(buffer):
-            block = buffer.take(len(buffer))
-            stream.append(block)
-            streamed += len(block[1])
+            queue.append(buffer.take(len(buffer)))
         while step < len(sizes):
             if step >= start_step:
-                yield cut(sizes[step])
+                yield queue.cut(sizes[step])
             else:
-                cut(sizes[step], keep=False)
+                queue.cut(sizes[step], keep=False)
             step += 1
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple]:
