@@ -180,8 +180,10 @@ def bad_sizes(draw, max_elements: int) -> Case:
         return Case(raw_header(type_code=msg, length=length),
                     f"{msg.name} frame must have an empty payload, got {length} bytes")
     if kind == "count_on_control":
-        # (buffer frames have their own rules: tests/pipeline/ps/test_buffers.py)
-        msg = draw(st.sampled_from([t for t in MsgType if t not in TENSOR_TYPES and t not in BUFFER_TYPES]))
+        # (buffer frames have their own rules: tests/pipeline/ps/test_buffers.py; sparse ones too:
+        # tests/pipeline/ps/sparse/test_hostile.py)
+        msg = draw(st.sampled_from([t for t in MsgType if t not in TENSOR_TYPES and t not in BUFFER_TYPES
+                                    and t not in SPARSE_KINDS]))
         dtype, count = draw(st.sampled_from(list(DType))), draw(U64)
         if dtype is DType.NONE and count == 0:
             count = 1
