@@ -92,7 +92,3 @@ def _table_rows(table: dict) -> tuple[Any, Any]:
     order = np.argsort(ids, kind="stable")
     return ids[order], rows[order]
 
-
-def not_supported_here(what: str) -> ConfigError:
-    return ConfigError(f"{what} cannot train sparse embedding tables yet; set ps.sparse.min_rows=0 (or "
-                       "ps.placement=driver)")

@@ -95,3 +95,19 @@ def test_a_header_over_the_cap_drops_that_connection_and_the_server_trains_on(se
         assert server.version == 3 and server.stats["sparse"]["pushes"] == 2 * 3
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("msg, dtype, count, length, reason", [
+    (MsgType.SPARSE_PULL, DType.NONE, 1, 16, "rows travel as FLOAT32 or FLOAT16"),
+    (MsgType.SPARSE_PULL, DType.FLOAT32, 2, 16, "must be 24 bytes, got 16"),
+    (MsgType.SPARSE_PUSH, DType.FLOAT32, 2, 8 + 16 + 2 * 3 * 4 + 1, "does not hold whole rows"),
+    (MsgType.SPARSE_PUSH, DType.FLOAT16, 1, 8 + 8 + 2 * 5000, "does not hold whole rows of at most 4096"),
+    (MsgType.SPARSE_ROWS, DType.FLOAT32, 0, 4, "does not hold whole rows"),
+    (MsgType.SPARSE_PUSH, DType.FLOAT32, 2**40, 0, "more than the 1048576"),
+])
+def test_inconsistent_sparse_headers_fail_before_any_payload_is_read(msg, dtype, count, length, reason):
+    from pipeline.errors import ProtocolError
+    from pipeline.ps.protocol import decode_header
+
+    with pytest.raises(ProtocolError, match=reason):
+        decode_header(Header(msg, 1, 0, 0, dtype, count, length).pack(), max_elements=10)
