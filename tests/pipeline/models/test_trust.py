@@ -82,7 +82,7 @@ def test_resume_refuses_a_checkpoint_naming_a_factory_the_config_does_not(tmp_pa
                 "mode": "sync", "steps_per_epoch": 2})
     with pytest.raises(ArtifactTrustError, match=r"--resume: checkpoint .*ckpt-000000000004.pt names model.factory "
                                                  r"'os:system'.*refusing to import it"):
-        _resume_state(cfg, store, None, ModelSpec.from_dict(SPEC), 2)
+        _resume_state(cfg, store, None, ModelSpec.from_dict(SPEC))
 
 
 def _spark_ml_model(spark, tmp_path):
