@@ -1,7 +1,7 @@
 """Committing a shard set on an object store, where there is no rename: write the files, publish the manifest.
 
     <target>/manifest.json                         the published set; names its data prefix
-    <target>/data-<UTC time>-<hex8>/split=.../     one ETL attempt's files (fresh prefix per attempt)
+    <target>/data-<UTC time, µs>-<hex8>/split=.../     one ETL attempt's files (fresh prefix per attempt)
 
 An ETL writes every file under a fresh prefix nobody reads, then PUTs manifest.json last. A single PUT is
 atomic, so a reader (which trusts only the published manifest) sees the old set or the new one, never a
@@ -12,9 +12,9 @@ next publish). Prefixes newer than the published one (another ETL still writing)
 """
 from __future__ import annotations
 
+import datetime
 import json
 import logging
-import time
 import uuid
 from typing import Optional
 
@@ -27,8 +27,11 @@ PREFIX = "data-"
 
 
 def fresh_prefix() -> str:
-    """A new attempt's prefix: sorts by creation time, unique across concurrent writers."""
-    return f"{PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+    """A new attempt's prefix: sorts by creation time, unique across concurrent writers. Microseconds, because
+    two attempts within one second (a failed ETL retried at once) must still sort in creation order, or the
+    garbage collection would take the older one for a newer writer's and keep it."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    return f"{PREFIX}{stamp}-{uuid.uuid4().hex[:8]}"
 
 
 def published_prefix(target: str) -> Optional[str]:
