@@ -3,13 +3,15 @@
     .venv/bin/python bench/ps_bench.py [--sizes-mb 1 4 16] [--steps 30] [--window-s 3] [--no-async]
 
 Part 1, per parameter size (fp32), 2 workers, each in its own process:
-(a) shardline PS ``sync`` round: push the gradient, pull the next version (server in this process);
+(a) shardline PS ``sync`` round: push the gradient, pull the next version (server in this process); the
+workers are on the server's host, so their payloads go through shared-memory rings (``ps.shared_memory_mb``);
+(f) the same round over plain TCP (``ps.shared_memory_mb: 0``: what workers on other hosts get);
 (b) ``torch.distributed`` gloo allreduce of the same bytes between 2 processes (tcp://127.0.0.1);
 (c) raw loopback TCP round trip of the same bytes (send n, get n back) between 2 processes;
 (d) the same PS round as (a) with ``ps.tls: true`` (TLS with the per-job certificate, fingerprint pinned);
 (e) a bare socket server (threads in this process, like the PS) that moves the same bytes to the same two
 client processes: receive both pushes, then send both replies; no reduction, no optimizer, no framing.
-Prints ms per step and the ratios a/b, a/c, a/e and d/a (the cost of the encrypted wire), then where the
+Prints ms per step and the ratios a/b, a/c, a/e, f/b, f/e and d/a (the cost of the encrypted wire), then where the
 PS server's CPU goes per step (this process's CPU time over the timed steps; reduce and optimizer from the
 server's own timing; the rest is the wire: syscalls, copies in the kernel, Python per frame).
 
@@ -67,7 +69,7 @@ def _ps_worker(port: int, rank: int, secret: bytes, steps: int, warmup: int, out
 
 
 def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1, tls: bool = False,
-                  profile: dict | None = None) -> float:
+                  profile: dict | None = None, shared_memory: bool = True) -> float:
     import torch
 
     from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
@@ -79,7 +81,8 @@ def ps_sync_round(nbytes: int, steps: int, warmup: int, shards: int = 1, tls: bo
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     settings = PSSettings(optimizer=OptimizerSpec(name="sgd", lr=0.01), shards=shards,
-                          step_timeout=Timeout.of(120, STEP_KEY))
+                          step_timeout=Timeout.of(120, STEP_KEY),
+                          **({} if shared_memory else {"shared_memory_bytes": 0}))
     with ParameterServer(torch.zeros(nbytes // 4), settings, world_size=2, secret=secret, host=HOST,
                          tls=cert) as server:
         pinned = cert.pinned() if cert is not None else None
@@ -326,7 +329,8 @@ def main() -> None:
     print(f"host: {os.cpu_count()} cpus, torch {torch.__version__}, python {sys.version.split()[0]}")
     print("\nsync round, 2 worker processes (median ms per step)")
     print(f"{'size':>6} | {'(a) PS push+pull':>16} | {'(b) gloo allreduce':>18} | {'(c) TCP round trip':>18} | "
-          f"{'(d) PS over TLS':>15} | {'(e) bare server':>15} | {'a/b':>5} | {'a/c':>5} | {'a/e':>5} | {'d/a':>5}")
+          f"{'(d) PS over TLS':>15} | {'(e) bare server':>15} | {'(f) PS over TCP':>15} | {'a/b':>5} | {'a/c':>5} | "
+          f"{'a/e':>5} | {'f/b':>5} | {'f/e':>5} | {'d/a':>5}")
     profiles = {}
     for mb in [] if args.no_sync else args.sizes_mb:
         nbytes = int(mb * MB)
@@ -336,8 +340,10 @@ def main() -> None:
         c = tcp_round_trip(nbytes, args.steps, args.warmup)
         d = float("nan") if args.no_tls else ps_sync_round(nbytes, args.steps, args.warmup, tls=True)
         e = bare_server_round(nbytes, args.steps, args.warmup)
+        f = ps_sync_round(nbytes, args.steps, args.warmup, shared_memory=False)
         print(f"{mb:>4g}MB | {a * 1e3:>16.2f} | {b * 1e3:>18.2f} | {c * 1e3:>18.2f} | {d * 1e3:>15.2f} | "
-              f"{e * 1e3:>15.2f} | {a / b:>5.2f} | {a / c:>5.2f} | {a / e:>5.2f} | {d / a:>5.2f}", flush=True)
+              f"{e * 1e3:>15.2f} | {f * 1e3:>15.2f} | {a / b:>5.2f} | {a / c:>5.2f} | {a / e:>5.2f} | "
+              f"{f / b:>5.2f} | {f / e:>5.2f} | {d / a:>5.2f}", flush=True)
     if profiles:
         print("\nPS server CPU per sync step (ms; 2 pushes reduced, 1 optimizer step, 2 PARAMS sent)")
         print(f"{'size':>6} | {'CPU total':>9} | {'reduce':>6} | {'optimizer':>9} | {'wire + rest':>11}")

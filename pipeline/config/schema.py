@@ -327,6 +327,10 @@ class PSConfig(_Section):
     # secret and wire (pipeline/ps/shard_proxy.py): the shards use one core each instead of sharing one GIL.
     # A killed shard process fails the attempt naming it; the retry resumes from the newest checkpoint.
     server_processes: bool = False
+    # Workers on the PS's own host move payloads through shared-memory rings (/dev/shm, pipeline/wire/shm.py),
+    # headers still on the authenticated socket: each ring (one per direction per connection) holds the
+    # connection's slice plus 256 KB, at most this many MB; 0: plain TCP. Never with ps.tls.
+    shared_memory_mb: float = Field(256.0, ge=0, le=65536)
     # Sparse embedding tables on the PS (pipeline/config/sparse.py, docs/training.md "Sparse embedding tables").
     sparse: SparseConfig = Field(default_factory=SparseConfig)
 

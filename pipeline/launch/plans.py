@@ -65,7 +65,8 @@ def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1, offset: int = 0):
                                  cfg.parallelism.data, cfg.ps.staleness, cfg.ps.async_momentum)
     return PSSettings(optimizer=optimizer, consistency=consistency(cfg), compression=cfg.ps.compression,
                       topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step,
-                      bucket_bytes=bucket_bytes(cfg), server_processes=cfg.ps.server_processes)
+                      bucket_bytes=bucket_bytes(cfg), server_processes=cfg.ps.server_processes,
+                      shared_memory_bytes=int(cfg.ps.shared_memory_mb * (1 << 20)))
 
 
 def bucket_bytes(cfg: PipelineConfig) -> int:

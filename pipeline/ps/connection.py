@@ -23,6 +23,7 @@ class RankConnection:
     grad_buf: bytearray  # receive buffer of this rank's pushes, reused for every push
     superseded: bool = False  # cut by new_generation(): its drop is not a worker failure
     pulled_version: int = 0  # version of the last PARAMS sent: the base of this rank's next gradient
+    shm_offer: Any = None  # a shared-memory segment offered, not yet answered (pipeline.ps.shm_offer)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from pipeline.ps.messages import (
 from pipeline.ps.buffers import BufferStore
 from pipeline.ps.policies import ConsistencyPolicy
 from pipeline.ps.protocol import DType, Header, MsgType
+from pipeline.ps.shm_offer import SHM_HANDLERS, ShmOffer, drop_offer
 from pipeline.ps.sparse.handlers import SPARSE_HANDLERS, SparseRows
 from pipeline.wire.deadline import Timeout, deadline_after
 from pipeline.wire.frames import PeerClosedError
@@ -62,6 +63,8 @@ class RequestContext(Protocol):
     def buffers(self) -> BufferStore | None: ...
     @property
     def sparse(self) -> Any: ...  # pipeline.ps.sparse.store.SparseStore, or None
+    @property
+    def shared_memory_bytes(self) -> int: ...  # ps.shared_memory_mb's ring cap; 0: none (ps.tls)
 
     def in_flight(self) -> ContextManager[None]: ...
     def count_push_payload(self, nbytes: int) -> None: ...
@@ -205,11 +208,12 @@ HANDLERS: dict[MsgType, Handler[Any]] = {
     MsgType.BUFFERS: BuffersHandler(),
     MsgType.PULL_BUFFERS: PullBuffersHandler(),
     **SPARSE_HANDLERS,  # SPARSE_PULL, SPARSE_PUSH (pipeline.ps.sparse.handlers)
+    **SHM_HANDLERS,  # SHM_REQUEST, SHM_ATTACHED (pipeline.ps.shm_offer)
 }
 
 
 def deliver(ctx: RequestContext, conn: RankConnection, reply: Reply) -> None:
-    if isinstance(reply, SparseRows):
+    if isinstance(reply, (SparseRows, ShmOffer)):
         reply.send_to(ctx, conn)
         return
     match reply:
@@ -242,6 +246,13 @@ def serve_request(ctx: RequestContext, conn: RankConnection, header: Header) -> 
 
 def serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> None:
     """The request loop of one authenticated worker, until FINISH or the connection ends."""
+    try:
+        _serve_requests(ctx, conn, peer)
+    finally:
+        drop_offer(conn)
+
+
+def _serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> None:
     channel = conn.channel
     while True:
         try:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 from pipeline.errors import AuthenticationError, PSError, PSTimeoutError, ProtocolError
 from pipeline.ps.protocol import Channel, MsgType, ServerInfo, check_welcome, parse_welcome
+from pipeline.ps.shm_offer import request_rings
 from pipeline.wire.deadline import Timeout, deadline_after
 from pipeline.wire.frames import PeerClosedError
 from pipeline.wire.handshake import PeerRefused, client_handshake, refusal_text
@@ -113,9 +114,11 @@ def _attempt(opening: Opening, host: str, port: int, timeout: Timeout, deadline:
                                       f"{refusal_text(channel, header, deadline)}")
         if header.type is not MsgType.WELCOME:
             raise ProtocolError(f"expected WELCOME, got {header.type.name}")
-        info = check_welcome(parse_welcome(channel.recv_json(header, deadline)),
-                             expected_params=opening.expected_params,
+        body = channel.recv_json(header, deadline)
+        info = check_welcome(parse_welcome(body), expected_params=opening.expected_params,
                              expected_buffer_words=opening.expected_buffer_words)
+        if body.get("shared_memory") is True and opening.tls is None:  # ps.shared_memory_mb: same host
+            request_rings(channel, rank=rank, generation=opening.generation, deadline=deadline)
         return channel, info
     except BaseException as exc:
         (channel.close() if channel is not None else sock.close())

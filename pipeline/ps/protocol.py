@@ -76,6 +76,12 @@ class MsgType(IntEnum):
     SPARSE_PULL = 15
     SPARSE_ROWS = 16
     SPARSE_PUSH = 17
+    # Shared-memory rings for a worker on the server's host (pipeline.ps.shm_offer): SHM_REQUEST
+    # (client -> server, empty) is answered with SHM_OFFER (JSON), SHM_ATTACHED (client -> server, JSON
+    # {attached}) with ACK.
+    SHM_REQUEST = 18
+    SHM_OFFER = 19
+    SHM_ATTACHED = 20
 
 
 # fp16/bf16/sparse are only accepted for compressed pushes.
@@ -90,7 +96,8 @@ DTYPE_OF_TORCH: dict[torch.dtype, DType] = {v: k for k, v in TORCH_DTYPES.items(
 DEFAULT_TENSOR_DTYPES = frozenset({DType.FLOAT32})
 
 TENSOR_TYPES = frozenset({MsgType.PARAMS, MsgType.PUSH, MsgType.PUSH_PULL})
-JSON_TYPES = frozenset({MsgType.WELCOME, MsgType.METRICS, MsgType.FAIL, MsgType.ERROR})
+JSON_TYPES = frozenset({MsgType.WELCOME, MsgType.METRICS, MsgType.FAIL, MsgType.ERROR, MsgType.SHM_OFFER,
+                        MsgType.SHM_ATTACHED})
 # Buffer frames: fp32 words whose exact count the receiver checks against its layout before reading;
 # the header only caps them (buffers are small next to parameters; 64 MiB is far above any BatchNorm).
 BUFFER_TYPES = frozenset({MsgType.BUFFERS})
@@ -99,7 +106,7 @@ MAX_BUFFER_WORDS = 1 << 24
 MAX_SHARDS = 64
 SPARSE_KINDS = {MsgType.SPARSE_PULL: "pull", MsgType.SPARSE_ROWS: "rows", MsgType.SPARSE_PUSH: "push"}
 FIXED_SIZE_TYPES: dict[MsgType, int] = {MsgType.CHALLENGE: NONCE_SIZE, MsgType.AUTH: MAC_SIZE}
-EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH, MsgType.PULL_BUFFERS})
+EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH, MsgType.PULL_BUFFERS, MsgType.SHM_REQUEST})
 
 
 def decode_header(

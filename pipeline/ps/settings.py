@@ -39,6 +39,8 @@ class PSSettings:
     bucket_bytes: int = 0
     # ps.server_processes: each shard runs in a child process of its own (pipeline.ps.shard_proxy)
     server_processes: bool = False
+    # ps.shared_memory_mb: each ring's cap in bytes for workers on this host (pipeline.wire.shm); 0: TCP only
+    shared_memory_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, OptimizerSpec):
@@ -58,6 +60,9 @@ class PSSettings:
             raise PSError(f"{SHARDS_KEY} must be an integer >= 1, got {self.shards!r}")
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
             raise PSError(f"{BUCKET_KEY} must give a bucket size >= 0 bytes, got {self.bucket_bytes!r}")
+        if isinstance(self.shared_memory_bytes, bool) or not isinstance(self.shared_memory_bytes, int) \
+                or self.shared_memory_bytes < 0:
+            raise PSError(f"ps.shared_memory_mb must give a ring size >= 0 bytes, got {self.shared_memory_bytes!r}")
         if not isinstance(self.server_processes, bool):
             raise PSError(f"ps.server_processes must be true or false, got {self.server_processes!r}")
 

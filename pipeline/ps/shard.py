@@ -36,6 +36,7 @@ from pipeline.ps.modes import Consistency
 from pipeline.ps.policies import ConsistencyPolicy, make_policy
 from pipeline.ps.protocol import Channel, DType
 from pipeline.ps.settings import PSSettings
+from pipeline.ps.shm_offer import rings_possible
 from pipeline.ps.stats import ShardStats
 from pipeline.wire.deadline import Timeout
 from pipeline.wire.frames import U32_MAX
@@ -71,6 +72,7 @@ class ShardServer:
         self._core = ShardCore(initial, settings, generation=generation)
         self._cond = self._core.cond
         self._settings = settings
+        self._shm_cap = 0 if tls is not None else settings.shared_memory_bytes  # ps.tls: all on the wire
         self._push_dtypes = frozenset({wire_dtype(settings.compression)})
         # Receive buffer per connection: a top-k push may carry up to 8 bytes per parameter.
         self._push_buf_bytes = self._core.num_params * (8 if settings.compression == "topk" else 4)
@@ -348,7 +350,8 @@ class ShardServer:
                    "shards": layout, "world_size": self._world_size, "generation": conn.generation,
                    "clock": clock, "compression": self._settings.compression,
                    "topk_ratio": self._settings.topk_ratio, **self._settings.consistency.to_dict(),
-                   "buffer_words": self._buffers.words if self._buffers is not None else 0}
+                   "buffer_words": self._buffers.words if self._buffers is not None else 0,
+                   "shared_memory": rings_possible(channel, self._shm_cap)}  # pipeline.ps.shm_offer
         return conn, welcome
 
     def serve(self, conn: RankConnection, peer: tuple) -> None:
@@ -377,6 +380,10 @@ class ShardServer:
     @property
     def sparse(self) -> Any:
         return self._sparse
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        return self._shm_cap
 
     @contextlib.contextmanager
     def in_flight(self) -> Iterator[None]:

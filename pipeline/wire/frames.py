@@ -42,6 +42,7 @@ U32_MAX = 2**32 - 1
 # Frames up to this size go out as one segment (header and payload copied together); larger payloads
 # are sent from their own memory.
 _SMALL_FRAME = 64 * 1024
+_SHM_MIN_BYTES = 64 * 1024  # pipeline.wire.shm.MIN_BYTES (kept here: the check is on every send)
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -200,6 +201,13 @@ class Channel:
         self.bytes_received = 0
         self._header_buf = bytearray(HEADER_SIZE)
         self._header_view = memoryview(self._header_buf)
+        # ps.shared_memory_mb: both ends mapped one segment (pipeline.wire.shm); large payloads go
+        # through its rings, their headers still on the socket. None: every byte on the socket.
+        self.shm: Any = None
+        self.shm_bytes_sent = 0
+        self.shm_bytes_received = 0
+        self._shm_left = 0  # bytes of the current ring payload not read yet
+        self._descriptor = bytearray(8)
 
     # -- sending -----------------------------------------------------------------------------
     def send(self, header: Frame, payload: Optional[Buffer] = None, *, timeout: Optional[float]) -> None:
@@ -210,6 +218,8 @@ class Channel:
                           f"header says {header.length}")
         packed = header.pack()
         self.sock.settimeout(timeout)
+        if self.shm is not None and header.length >= _SHM_MIN_BYTES and self._send_via_ring(packed, body):
+            return
         if not header.length:
             self.sock.sendall(packed)
         elif header.length <= _SMALL_FRAME:
@@ -235,6 +245,20 @@ class Channel:
                 self.sock.sendall(memoryview(body).cast("B")[sent - HEADER_SIZE:])
         self.bytes_sent += HEADER_SIZE + header.length
 
+    def _send_via_ring(self, packed: bytes, body: Buffer) -> bool:
+        from pipeline.wire import shm
+
+        end = self.shm.out.put(body)
+        if end is None:
+            return False  # the ring is full: inline, never a wait
+        flagged = bytearray(packed)
+        flagged[shm.FLAG_OFFSET] = 1
+        self.sock.sendall(flagged + shm.DESCRIPTOR.pack(end))
+        length = memoryview(body).nbytes
+        self.bytes_sent += HEADER_SIZE + length
+        self.shm_bytes_sent += length
+        return True
+
     def send_empty(self, msg_type: Any, *, generation: int, rank: int, step: int = 0,
                    timeout: Optional[float]) -> None:
         self.send(Header(msg_type, generation, rank, step), timeout=timeout)
@@ -256,6 +280,9 @@ class Channel:
 
     # -- receiving ---------------------------------------------------------------------------
     def _recv_exact(self, view: memoryview, deadline: Optional[float], *, frame_start: bool) -> None:
+        if self._shm_left and not frame_start:
+            self._take_from_ring(view)
+            return
         got = 0
         total = len(view)
         sock = self.sock
@@ -279,8 +306,38 @@ class Channel:
     def recv_header_bytes(self, deadline: Optional[float]) -> bytearray:
         """Read the next 48 header bytes into the reusable buffer (PeerClosedError on a clean EOF);
         the caller decodes them with its protocol's validation before reading any payload."""
+        if self._shm_left:
+            raise ProtocolError(f"a new frame began with {self._shm_left} bytes of a shared-memory payload unread")
         self._recv_exact(self._header_view, deadline, frame_start=True)
+        if self._header_buf[6]:  # pipeline.wire.shm.FLAG_OFFSET: the payload is in the ring
+            self._begin_ring_payload(deadline)
         return self._header_buf
+
+    def _begin_ring_payload(self, deadline: Optional[float]) -> None:
+        from pipeline.wire import shm
+
+        if self.shm is None:
+            raise ProtocolError("a shared-memory frame on a connection that mapped no shared memory")
+        self._header_buf[shm.FLAG_OFFSET] = 0
+        self._recv_exact(memoryview(self._descriptor), deadline, frame_start=False)
+        (end,) = shm.DESCRIPTOR.unpack(self._descriptor)
+        (length,) = struct.unpack_from("<Q", self._header_buf, HEADER_SIZE - 8)  # every layout ends in it
+        self.shm.into.begin(end, length)
+        if length:
+            self._shm_left = length
+        else:
+            self.shm.into.release()
+
+    def _take_from_ring(self, view: memoryview) -> None:
+        n = view.nbytes
+        if n > self._shm_left:
+            raise ProtocolError(f"read of {n} bytes past the {self._shm_left} left of a shared-memory payload")
+        self.shm.into.take(view)
+        self._shm_left -= n
+        self.bytes_received += n
+        self.shm_bytes_received += n
+        if not self._shm_left:
+            self.shm.into.release()
 
     def recv_header(self, deadline: Optional[float]) -> Header:
         """Read and validate the next header as a handshake frame; raises PeerClosedError on a clean EOF."""
@@ -339,6 +396,9 @@ class Channel:
 
     def close(self) -> None:
         """Shut down then close; shutdown wakes a thread blocked in recv on this socket."""
+        link, self.shm = self.shm, None
+        if link is not None:
+            link.close()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -1,0 +1,160 @@
+"""Setting up a connection's shared-memory rings (``ps.shared_memory_mb``, ``pipeline.wire.shm``): two
+requests a worker sends once, right after the WELCOME, and their handlers (registered in
+``pipeline.ps.dispatch``).
+
+A WELCOME says ``shared_memory: true`` when rings are possible for the connection (the worker connected
+from this connection's own local address, and the server's settings allow them). Only then does the
+worker send SHM_REQUEST (empty), answered with SHM_OFFER: a segment's name, ring size and token, or a
+reason why not. The worker maps the segment and says so with SHM_ATTACHED (``{attached: bool}``), answered with ACK; the server unlinks the file either
+way, so none is left behind, and from then on each end writes large payloads into its ring. A worker on
+another host (or in a container with another /dev/shm) declines and that connection stays on plain TCP.
+
+Why the worker asks and the server offers: the server knows the slice the rings must hold and whether
+its own settings allow them (never with ``ps.tls``); a segment reserved for a remote worker would only cost
+/dev/shm memory on the driver, so one is created only for a peer on this host.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pipeline.errors import ProtocolError
+from pipeline.ps.messages import Ack, Refusal
+from pipeline.ps.protocol import Channel, Header, MsgType
+from pipeline.wire import shm
+from pipeline.wire.deadline import deadline_after, remaining
+
+logger = logging.getLogger(__name__)
+
+# Above the slice's own bytes: room for the buffers, sparse and metrics frames of a step next to it.
+SLACK_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ShmRequest:
+    step: int
+
+
+@dataclass(frozen=True)
+class ShmAttached:
+    step: int
+    attached: bool
+
+
+@dataclass(frozen=True)
+class ShmOffer:
+    """SHM_OFFER: the offer's JSON (``{"name", "ring_bytes", "token"}``, or ``{"declined": why}``)."""
+
+    step: int
+    body: dict[str, Any]
+
+    def send_to(self, ctx: Any, conn: Any) -> None:
+        conn.channel.send_json(MsgType.SHM_OFFER, self.body, generation=conn.generation, rank=conn.rank,
+                               step=self.step, timeout=ctx.step_timeout.seconds)
+
+
+def _declined(channel: Channel, cap_bytes: int) -> Optional[str]:
+    if cap_bytes <= 0:
+        return "off on this server (ps.shared_memory_mb: 0, or ps.tls)"
+    if not shm.supported():
+        return "not supported on this host (x86-64 Linux with /dev/shm only)"
+    try:
+        local, peer = channel.sock.getsockname()[0], channel.sock.getpeername()[0]
+    except OSError as exc:
+        return f"no socket address: {exc}"
+    if peer != local:
+        return f"the worker connected from {peer}, not from this host's {local}"
+    return None
+
+
+def rings_possible(channel: Channel, cap_bytes: int) -> bool:
+    """What the WELCOME's ``shared_memory`` says: worth a SHM_REQUEST (a worker asks only then)."""
+    return _declined(channel, cap_bytes) is None
+
+
+class ShmRequestHandler:
+    waits = False
+    ends_connection = False
+
+    def read(self, ctx: Any, conn: Any, header: Header) -> ShmRequest:
+        return ShmRequest(header.step)
+
+    def handle(self, ctx: Any, conn: Any, request: ShmRequest) -> ShmOffer:
+        if conn.channel.shm is not None or conn.shm_offer is not None:
+            raise Refusal("shared memory was already offered on this connection")
+        cap = ctx.shared_memory_bytes
+        reason = _declined(conn.channel, cap)
+        if reason is None:
+            try:
+                link, body = shm.create(min(cap, 4 * ctx.num_params + SLACK_BYTES))
+            except OSError as exc:
+                logger.warning("rank %s: no shared memory for its connection (%s); it stays on TCP: give "
+                               "/dev/shm more room or lower ps.shared_memory_mb", conn.rank, exc)
+                reason = f"/dev/shm could not hold the rings: {exc}"
+            else:
+                conn.shm_offer = link
+                return ShmOffer(request.step, body)
+        return ShmOffer(request.step, {"declined": reason})
+
+
+class ShmAttachedHandler:
+    waits = False
+    ends_connection = False
+
+    def read(self, ctx: Any, conn: Any, header: Header) -> ShmAttached:
+        body = conn.channel.recv_json(header, deadline_after(ctx.step_timeout))
+        return ShmAttached(header.step, body.get("attached") is True)
+
+    def handle(self, ctx: Any, conn: Any, request: ShmAttached) -> Ack:
+        link, conn.shm_offer = conn.shm_offer, None
+        if link is None:
+            raise ProtocolError("SHM_ATTACHED without a shared-memory offer")
+        shm.unlink(link)
+        if request.attached:
+            conn.channel.shm = link
+        else:
+            link.close()
+        return Ack(request.step)
+
+
+SHM_HANDLERS = {MsgType.SHM_REQUEST: ShmRequestHandler(), MsgType.SHM_ATTACHED: ShmAttachedHandler()}
+
+
+def drop_offer(conn: Any) -> None:
+    """A connection ending with an offer it never answered: remove the segment."""
+    link, conn.shm_offer = conn.shm_offer, None
+    if link is not None:
+        shm.unlink(link)
+        link.close()
+
+
+def request_rings(channel: Channel, *, rank: int, generation: int, deadline: Optional[float]) -> None:
+    """The worker's side, once per connection after its WELCOME: ask, map what is offered (or decline),
+    and wait for the ACK. The channel uses the rings from then on, or stays on TCP."""
+    channel.send_empty(MsgType.SHM_REQUEST, generation=generation, rank=rank, timeout=remaining(deadline))
+    header = channel.recv_header(deadline)
+    if header.type is not MsgType.SHM_OFFER:
+        raise ProtocolError(f"expected SHM_OFFER, got {header.type.name}")
+    body = channel.recv_json(header, deadline)
+    if "declined" in body:
+        logger.debug("rank %s: no shared memory with the parameter server: %s", rank, body["declined"])
+        return
+    link, reason = None, ""
+    try:
+        link = shm.attach(body)
+    except (OSError, ValueError) as exc:
+        reason = str(exc)
+        logger.info("rank %s: the parameter server's shared memory is not reachable from here (%s); this "
+                    "connection stays on TCP", rank, reason)
+    try:
+        channel.send_json(MsgType.SHM_ATTACHED, {"attached": link is not None, "reason": reason[:200]},
+                          generation=generation, rank=rank, timeout=remaining(deadline))
+        header = channel.recv_header(deadline)
+        if header.type is not MsgType.ACK:
+            raise ProtocolError(f"expected the ACK of SHM_ATTACHED, got {header.type.name}")
+    except BaseException:
+        if link is not None:
+            link.close()
+        raise
+    channel.shm = link

@@ -1,0 +1,215 @@
+"""Shared-memory payload rings for a connection whose two ends share a host (``ps.shared_memory_mb``).
+
+Why: over TCP loopback every large payload is copied twice by the kernel (sender into the socket buffer,
+socket buffer into the receiver), in socket-buffer-sized pieces with a syscall each. The parameter server
+moves every worker's gradient in and the parameters out, so on one host those copies were most of its CPU
+per step (``bench/ps_bench.py``'s server CPU table). With a ring in ``/dev/shm`` that both ends map, a
+large payload costs one ``memcpy`` by the sender and one by the receiver, and neither holds the GIL while it
+copies. The TCP connection still carries every header, followed by an 8-byte descriptor instead of the
+payload, so ordering, deadlines, peer-death detection and authentication stay exactly the socket's.
+NCCL's and oneCCL's intra-node transports take the same route.
+
+How it is kept safe:
+
+- The server creates the segment (``O_EXCL``, mode 0600, a random 128-bit name) and reserves its pages
+  with ``posix_fallocate``, so a full ``/dev/shm`` is refused at creation instead of a SIGBUS mid-copy.
+  The name travels in the WELCOME, after the mutual handshake; the client proves it mapped the same memory
+  by reading back the random token written at its start, and the server unlinks the file as soon as the
+  client answered: nothing is left behind when either process dies.
+- The writer never waits: a payload that does not fit the free part of its ring goes inline on the socket
+  as before. The reader checks every descriptor (inside the ring, after the previous one) before it copies.
+- Ordering: the writer copies, then sends the header (a syscall); the reader receives it, then copies out,
+  then stores the ring's ``consumed`` counter, which the writer loads before reusing that space. On x86-64
+  (total store order) plain aligned 8-byte loads and stores give exactly that; other architectures would
+  need fences Python cannot issue, so there it is off (``supported()``).
+
+Why not ``multiprocessing.shared_memory``: before Python 3.13, attaching registers the segment with the
+resource tracker, which unlinks it when the attaching process exits (bpo-39959), and it cannot reserve
+pages up front.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import platform
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pipeline.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+# Smaller payloads go inline: one small send costs less than the ring's bookkeeping.
+MIN_BYTES = 64 * 1024
+# Header byte 6 (the first pad byte of every 48-byte header layout) marks "payload in the ring"; the
+# 8-byte descriptor that follows the header is the ring position just past the payload.
+FLAG_OFFSET = 6
+DESCRIPTOR = struct.Struct("<Q")
+_TOKEN = 16
+_ALIGN = 64
+_CTRL = 64  # each ring's control block: the reader's consumed position, alone on its cache line
+_PREFIX = "shardline-"
+
+
+def supported() -> bool:
+    """Whether this host can run the rings (Linux /dev/shm, x86-64's store order)."""
+    return platform.machine().lower() in {"x86_64", "amd64"} and os.path.isdir(SHM_DIR)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class Ring:
+    """One direction of a segment: ``size`` data bytes and the reader's consumed position.
+
+    Positions grow without bound (u64); ``position % size`` is the offset in the data. A payload is
+    always contiguous: one that would cross the end starts again at offset 0 and the tail is skipped."""
+
+    def __init__(self, segment: Any, ctrl: int, size: int) -> None:
+        import torch  # the peers of a ring are PS processes, which have torch loaded already
+
+        self.size = size
+        self._consumed = torch.frombuffer(segment, dtype=torch.int64, count=1, offset=ctrl)
+        self._data = torch.frombuffer(segment, dtype=torch.uint8, count=size, offset=ctrl + _CTRL)
+        self._written = 0  # writer: the position after the last payload put
+        self._read_end = 0  # reader: the position after the last payload taken
+        self._read_at = 0  # reader: the data offset of the next byte of the payload being read
+
+    def put(self, payload: Any) -> Optional[int]:
+        """Copy ``payload`` (a buffer) into the ring; its end position, or None if it does not fit now."""
+        import torch
+
+        n = memoryview(payload).nbytes
+        if n > self.size:
+            return None
+        start = self._written
+        offset = start % self.size
+        if offset + n > self.size:
+            start += self.size - offset
+            offset = 0
+        end = start + n
+        if end - int(self._consumed[0]) > self.size:
+            return None  # the reader still holds that space: inline instead of waiting
+        source = memoryview(payload).cast("B")
+        if not n:
+            pass
+        elif source.readonly:
+            self._data[offset:offset + n].copy_(torch.frombuffer(bytearray(source), dtype=torch.uint8))
+        else:  # torch.frombuffer wants a writable buffer; large payloads are (tensor views)
+            self._data[offset:offset + n].copy_(torch.frombuffer(source, dtype=torch.uint8))
+        self._written = end
+        return end
+
+    def begin(self, end: int, length: int) -> None:
+        """Start reading the payload of ``length`` bytes that ends at ``end``; its bounds checked."""
+        start = end - length
+        offset = start % self.size if self.size else 0
+        if length > self.size or start < self._read_end or start - self._read_end >= self.size \
+                or offset + length > self.size:
+            raise ProtocolError(f"shared-memory descriptor out of bounds (end {end}, {length} bytes, ring of "
+                                f"{self.size} bytes, previous end {self._read_end})")
+        self._read_at = offset
+        self._read_end = end
+
+    def take(self, view: memoryview) -> None:
+        """Copy the next ``len(view)`` bytes of the current payload into ``view``."""
+        import torch
+
+        n = view.nbytes
+        if n:
+            torch.frombuffer(view, dtype=torch.uint8).copy_(self._data[self._read_at:self._read_at + n])
+        self._read_at += n
+
+    def release(self) -> None:
+        """The current payload is read: its space may be written again."""
+        self._consumed[0] = self._read_end
+
+    def drop(self) -> None:
+        self._consumed = self._data = None  # type: ignore[assignment]
+
+
+@dataclass
+class ShmLink:
+    """Both rings of one connection as one end sees them: ``out`` it writes, ``into`` it reads."""
+
+    out: Ring
+    into: Ring
+    _map: mmap.mmap
+    path: str = ""
+
+    def close(self) -> None:
+        self.out.drop()
+        self.into.drop()
+        try:
+            self._map.close()
+        except BufferError:  # a tensor view still alive somewhere: the mapping goes with it
+            pass
+
+
+def _layout(ring_bytes: int) -> tuple[int, int, int]:
+    """(client->server ring control offset, server->client ring control offset, total size)."""
+    size = _round_up(ring_bytes)
+    first = _ALIGN
+    second = first + _CTRL + size
+    return first, second, second + _CTRL + size
+
+
+def create(ring_bytes: int) -> tuple[ShmLink, dict[str, Any]]:
+    """The server's side: a new segment with two rings of ``ring_bytes`` each, and the offer for the
+    WELCOME. Raises OSError when /dev/shm cannot hold it."""
+    name = _PREFIX + secrets.token_hex(16)
+    path = os.path.join(SHM_DIR, name)
+    first, second, total = _layout(ring_bytes)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, total)  # a full tmpfs says ENOSPC here, not SIGBUS on a copy
+            segment = mmap.mmap(fd, total)
+        except BaseException:
+            os.unlink(path)
+            raise
+    finally:
+        os.close(fd)
+    token = secrets.token_bytes(_TOKEN)
+    segment[:_TOKEN] = token
+    size = _round_up(ring_bytes)
+    link = ShmLink(out=Ring(segment, second, size), into=Ring(segment, first, size), _map=segment, path=path)
+    return link, {"name": name, "ring_bytes": size, "token": token.hex()}
+
+
+def attach(offer: Any) -> ShmLink:
+    """The client's side: map the offered segment and check its token. Raises OSError or ValueError
+    (another host's segment, or a /dev/shm this process does not share) for the caller to decline."""
+    if not isinstance(offer, dict):
+        raise ValueError("malformed shared-memory offer")
+    name, size, token = str(offer.get("name", "")), offer.get("ring_bytes"), str(offer.get("token", ""))
+    if not name.startswith(_PREFIX) or "/" in name or not isinstance(size, int) or size <= 0 \
+            or size % _ALIGN or len(token) != 2 * _TOKEN:
+        raise ValueError("malformed shared-memory offer")
+    first, second, total = _layout(size)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != total:
+            raise ValueError("the shared-memory segment has another size than offered")
+        segment = mmap.mmap(fd, total)
+    finally:
+        os.close(fd)
+    if segment[:_TOKEN] != bytes.fromhex(token):
+        segment.close()
+        raise ValueError("the shared-memory segment holds another token (not the same memory)")
+    return ShmLink(out=Ring(segment, first, size), into=Ring(segment, second, size), _map=segment)
+
+
+def unlink(link: ShmLink) -> None:
+    """Remove the server's segment file (both mappings stay valid); idempotent."""
+    if link.path:
+        try:
+            os.unlink(link.path)
+        except FileNotFoundError:
+            pass
+        link.path = ""

@@ -1,0 +1,123 @@
+"""Workers on the PS's host move their payloads through shared-memory rings (ps.shared_memory_mb): the
+same parameters as over TCP, bit for bit; no segment file left behind, whatever the worker does; none with
+the rings off; a request out of turn is refused."""
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from pipeline.ps.protocol import MsgType
+from pipeline.wire import shm
+from pipeline.wire.deadline import deadline_after
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory rings need x86-64 Linux")
+
+N = 60_000  # 240 KB of fp32: every PUSH and PARAMS is above the rings' 64 KB threshold
+
+
+def _segments() -> set[str]:
+    return set(glob.glob(os.path.join(shm.SHM_DIR, "shardline-*")))
+
+
+def _train(make_server, make_client, steps: int, **server_options) -> tuple[torch.Tensor, list]:
+    init = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    server = make_server(init.clone(), world_size=2, **server_options)
+    clients = [make_client(server, rank) for rank in range(2)]
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            client = clients[rank]
+            client.connect()
+            version, _ = client.pull(0)
+            g = torch.Generator().manual_seed(rank + 1)
+            for step in range(version, version + steps):
+                client.push_pull(step, torch.randn(N, generator=g))
+            client.finish()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return server.parameters().clone(), clients
+
+
+def test_rings_carry_the_payloads_and_training_matches_tcp_bit_for_bit(make_server, make_client) -> None:
+    before = _segments()
+    over_tcp, tcp_clients = _train(make_server, make_client, 6, shared_memory_bytes=0)
+    over_rings, ring_clients = _train(make_server, make_client, 6)
+    assert torch.equal(over_tcp, over_rings)
+    assert all(c._links == [] for c in ring_clients)  # finished: closed
+    assert _segments() == before  # unlinked once answered: nothing left in /dev/shm
+
+
+def test_a_connected_worker_uses_its_rings_and_tcp_workers_do_not(make_server, make_client) -> None:
+    init = torch.zeros(N)
+    for cap, expect_rings in ((256 << 20, True), (0, False)):
+        server = make_server(init.clone(), world_size=1, shared_memory_bytes=cap)
+        client = make_client(server, 0)
+        client.connect()
+        client.pull(0)
+        client.push_pull(0, torch.ones(N))
+        channel = client._links[0].channel
+        assert (channel.shm is not None) is expect_rings
+        assert (channel.shm_bytes_sent, channel.shm_bytes_received) == \
+            ((4 * N, 2 * 4 * N) if expect_rings else (0, 0))  # one push; two PARAMS (pull, push_pull)
+        client.finish()
+
+
+def test_a_slice_larger_than_the_ring_goes_inline_and_still_trains(make_server, make_client) -> None:
+    small, _ = _train(make_server, make_client, 3, shared_memory_bytes=64 * 1024)
+    reference, _ = _train(make_server, make_client, 3, shared_memory_bytes=0)
+    assert torch.equal(small, reference)
+
+
+def test_a_second_request_for_rings_is_refused(make_server, make_client) -> None:
+    server = make_server(torch.zeros(N), world_size=1)
+    client = make_client(server, 0)
+    client.connect()
+    channel = client._links[0].channel
+    channel.send_empty(MsgType.SHM_REQUEST, generation=1, rank=0, timeout=2)
+    header = channel.recv_header(deadline_after(2))
+    assert header.type is MsgType.ERROR
+    assert "already offered" in channel.recv_json(header, deadline_after(2))["error"]
+
+
+def test_a_worker_gone_after_the_offer_leaves_no_segment(make_server, make_client, monkeypatch) -> None:
+    offered: list[str] = []
+
+    def ask_then_vanish(channel, *, rank, generation, deadline) -> None:
+        channel.send_empty(MsgType.SHM_REQUEST, generation=generation, rank=rank, timeout=2)
+        header = channel.recv_header(deadline)
+        offered.append(channel.recv_json(header, deadline)["name"])
+        assert os.path.exists(os.path.join(shm.SHM_DIR, offered[0]))
+        raise ConnectionResetError("the worker died before it answered")
+
+    monkeypatch.setattr("pipeline.ps.opening.request_rings", ask_then_vanish)
+    server = make_server(torch.zeros(N), world_size=1)
+    with pytest.raises(Exception):
+        make_client(server, 0, connect_timeout=1.0).connect()
+    deadline = deadline_after(5)
+    while os.path.exists(os.path.join(shm.SHM_DIR, offered[0])):
+        assert deadline is not None and deadline > time.monotonic(), "segment left behind"
+        threading.Event().wait(0.02)
+
+
+def test_a_client_answering_without_an_offer_is_a_protocol_error(make_server, make_client) -> None:
+    server = make_server(torch.zeros(N), world_size=1)
+    client = make_client(server, 0)
+    client.connect()
+    channel = client._links[0].channel
+    channel.send_json(MsgType.SHM_ATTACHED, {"attached": True}, generation=1, rank=0, timeout=2)
+    header = channel.recv_header(deadline_after(2))
+    assert header.type is MsgType.ERROR
+    assert "without a shared-memory offer" in channel.recv_json(header, deadline_after(2))["error"]

@@ -1,0 +1,154 @@
+"""Shared-memory payload rings (pipeline.wire.shm) and the Channel that sends large payloads through them:
+exact bytes through wrap-around, never a wait when full (the caller goes inline), hostile descriptors
+refused before a byte is copied, segments private to the user and checked by their token."""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+
+import pytest
+import torch
+
+from pipeline.errors import ProtocolError
+from pipeline.wire import shm
+from pipeline.wire.deadline import deadline_after
+from pipeline.wire.frames import HEADER_SIZE, Channel, Header, unpack_header
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory rings need x86-64 Linux")
+
+
+@pytest.fixture
+def links():
+    server, offer = shm.create(256 * 1024)
+    client = shm.attach(offer)
+    yield server, client, offer
+    shm.unlink(server)
+    server.close()
+    client.close()
+
+
+def _bytes(n: int, seed: int) -> bytearray:
+    return bytearray(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed),
+                                   dtype=torch.uint8).numpy().tobytes())
+
+
+def _read(ring: shm.Ring, end: int, n: int) -> bytearray:
+    out = bytearray(n)
+    ring.begin(end, n)
+    ring.take(memoryview(out)[: n // 3])
+    ring.take(memoryview(out)[n // 3:])
+    ring.release()
+    return out
+
+
+def test_payloads_wrap_around_the_ring_byte_exact(links) -> None:
+    server, client, _ = links
+    size = client.out.size
+    for i in range(12):  # 0.4 of the ring each: every third payload skips the tail and starts at 0
+        payload = _bytes(int(0.4 * size) + i, seed=i)
+        end = client.out.put(payload)
+        assert end is not None
+        assert _read(server.into, end, len(payload)) == payload
+
+
+def test_a_full_ring_refuses_instead_of_waiting_until_the_reader_releases(links) -> None:
+    server, client, _ = links
+    size = client.out.size
+    first = _bytes(int(0.6 * size), 1)
+    end = client.out.put(first)
+    assert client.out.put(_bytes(int(0.6 * size), 2)) is None  # unread: no room, the caller goes inline
+    assert client.out.put(_bytes(size + 1, 3)) is None  # never fits
+    assert _read(server.into, end, len(first)) == first
+    assert client.out.put(_bytes(int(0.6 * size), 2)) is not None
+
+
+@pytest.mark.parametrize("end, length", [
+    (10 ** 9, 64),  # far past anything written: skips more than a ring
+    (100, 200),  # starts before 0
+    (256 * 1024 + 64, 128),  # crosses the end of the data
+    (1 << 62, 1 << 40),  # longer than the ring
+])
+def test_out_of_bounds_descriptors_are_refused(links, end, length) -> None:
+    server, _, _ = links
+    with pytest.raises(ProtocolError, match="descriptor out of bounds"):
+        server.into.begin(end, length)
+
+
+def test_a_descriptor_overlapping_the_previous_payload_is_refused(links) -> None:
+    server, client, _ = links
+    end = client.out.put(_bytes(1000, 1))
+    _read(server.into, end, 1000)
+    with pytest.raises(ProtocolError, match="previous end"):
+        server.into.begin(end + 10, 20)
+
+
+def test_the_segment_is_private_and_removed_once_unlinked(links) -> None:
+    server, _, offer = links
+    path = os.path.join(shm.SHM_DIR, offer["name"])
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    shm.unlink(server)
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("change", [
+    {"token": "00" * 16}, {"name": "../etc/passwd"}, {"name": "not-ours"}, {"ring_bytes": 100},
+    {"ring_bytes": "64"},
+])
+def test_an_offer_that_is_not_this_segment_is_declined(links, change) -> None:
+    _, _, offer = links
+    with pytest.raises((ValueError, OSError)):
+        shm.attach(dict(offer, **change))
+
+
+def test_channels_send_large_payloads_through_the_ring_and_small_ones_inline(links) -> None:
+    server, client, _ = links
+    a, b = socket.socketpair()
+    sender, receiver = Channel(a), Channel(b)
+    sender.shm, receiver.shm = client, server
+    try:
+        frames = [_bytes(200_000, 1), _bytes(1000, 2), _bytes(200_000, 3), _bytes(200_000, 4)]
+        ring_bytes_before = []
+
+        def send_all() -> None:
+            for i, payload in enumerate(frames):
+                ring_bytes_before.append(sender.shm_bytes_sent)
+                if i == 3:  # the ring's space is only free again once the receiver released frame 0
+                    while receiver.shm_bytes_received < 200_000:
+                        threading.Event().wait(0.01)
+                sender.send(Header(5, 1, 0, i, 0, 0, len(payload)), payload, timeout=5)
+
+        thread = threading.Thread(target=send_all)
+        thread.start()
+        for i, payload in enumerate(frames):
+            head = bytes(receiver.recv_header_bytes(deadline_after(5)))
+            assert unpack_header(head)[3] == i and head[shm.FLAG_OFFSET] == 0
+            out = bytearray(len(payload))
+            receiver.recv_exact(memoryview(out)[:777], deadline_after(5))
+            receiver.recv_exact(memoryview(out)[777:], deadline_after(5))
+            assert out == payload
+        thread.join(5)
+        # Frame 0 in the ring, 1 inline (small), 2 inline (the ring still held frame 0), 3 in the ring.
+        assert ring_bytes_before == [0, 200_000, 200_000, 200_000]
+        assert sender.shm_bytes_sent == receiver.shm_bytes_received == 400_000
+        # Byte counts stay logical: every header and payload, plus the descriptors of the two ring frames.
+        assert receiver.bytes_received == 4 * HEADER_SIZE + 2 * shm.DESCRIPTOR.size + sum(map(len, frames))
+    finally:
+        sender.shm = receiver.shm = None
+        sender.close()
+        receiver.close()
+
+
+def test_a_ring_frame_on_a_channel_without_rings_is_a_protocol_error() -> None:
+    a, b = socket.socketpair()
+    sender, receiver = Channel(a), Channel(b)
+    try:
+        flagged = bytearray(Header(5, 1, 0, 0, 0, 0, 100_000).pack())
+        flagged[shm.FLAG_OFFSET] = 1
+        a.sendall(bytes(flagged) + shm.DESCRIPTOR.pack(100_000))
+        with pytest.raises(ProtocolError, match="mapped no shared memory"):
+            receiver.recv_header_bytes(deadline_after(5))
+    finally:
+        sender.close()
+        receiver.close()
