@@ -242,6 +242,9 @@ class TrainConfig(_Section):
     # How workers synchronize: `ps` (the driver's parameter server, ps.* modes) or `allreduce`
     # (torch.distributed between the tasks, DistributedDataParallel: gloo on CPU, nccl on GPUs).
     backend: Literal["ps", "allreduce"] = "ps"
+    # allreduce on CPU with every rank on one host: DDP's buckets averaged through /dev/shm
+    # (pipeline/worker/shm_allreduce.py) instead of gloo over TCP loopback; off: gloo always.
+    allreduce_shared_memory: bool = True
     # Barrier attempts before giving up: after a failed attempt the driver keeps the PS and its state and
     # runs the barrier job again; workers resume at the server's step (Spark never retries a barrier
     # ResultStage itself).

@@ -133,6 +133,6 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
             epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
             optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits,
             precision=cfg.train.precision, profile=cfg.train.profile, overlap=cfg.ps.overlap,
-            step_offset=stream.offset)
+            allreduce_shared_memory=cfg.train.allreduce_shared_memory, step_offset=stream.offset)
 
     return [plan(rank) for rank in range(cfg.parallelism.tasks)]

@@ -159,12 +159,11 @@ def _layout(ring_bytes: int) -> tuple[int, int, int]:
     return first, second, second + _CTRL + size
 
 
-def create(ring_bytes: int) -> tuple[ShmLink, dict[str, Any]]:
-    """The server's side: a new segment with two rings of ``ring_bytes`` each, and the offer for the
-    WELCOME. Raises OSError when /dev/shm cannot hold it."""
+def create_segment(total: int) -> tuple[mmap.mmap, str, bytes]:
+    """A new private segment of ``total`` bytes, its pages reserved, a random token at its start:
+    (mapping, name, token). Raises OSError when /dev/shm cannot hold it. The caller unlinks it."""
     name = _PREFIX + secrets.token_hex(16)
     path = os.path.join(SHM_DIR, name)
-    first, second, total = _layout(ring_bytes)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
@@ -177,21 +176,15 @@ def create(ring_bytes: int) -> tuple[ShmLink, dict[str, Any]]:
         os.close(fd)
     token = secrets.token_bytes(_TOKEN)
     segment[:_TOKEN] = token
-    size = _round_up(ring_bytes)
-    link = ShmLink(out=Ring(segment, second, size), into=Ring(segment, first, size), _map=segment, path=path)
-    return link, {"name": name, "ring_bytes": size, "token": token.hex()}
+    return segment, name, token
 
 
-def attach(offer: Any) -> ShmLink:
-    """The client's side: map the offered segment and check its token. Raises OSError or ValueError
-    (another host's segment, or a /dev/shm this process does not share) for the caller to decline."""
-    if not isinstance(offer, dict):
-        raise ValueError("malformed shared-memory offer")
-    name, size, token = str(offer.get("name", "")), offer.get("ring_bytes"), str(offer.get("token", ""))
-    if not name.startswith(_PREFIX) or "/" in name or not isinstance(size, int) or size <= 0 \
-            or size % _ALIGN or len(token) != 2 * _TOKEN:
-        raise ValueError("malformed shared-memory offer")
-    first, second, total = _layout(size)
+def open_segment(name: Any, total: int, token: Any) -> mmap.mmap:
+    """Map the segment ``name`` made by ``create_segment`` and check its size and token. Raises OSError or
+    ValueError (another host's segment, or a /dev/shm this process does not share)."""
+    name, token = str(name), str(token)
+    if not name.startswith(_PREFIX) or "/" in name or len(token) != 2 * _TOKEN:
+        raise ValueError("malformed shared-memory segment name or token")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     try:
         if os.fstat(fd).st_size != total:
@@ -202,6 +195,37 @@ def attach(offer: Any) -> ShmLink:
     if segment[:_TOKEN] != bytes.fromhex(token):
         segment.close()
         raise ValueError("the shared-memory segment holds another token (not the same memory)")
+    return segment
+
+
+def remove_segment(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+def create(ring_bytes: int) -> tuple[ShmLink, dict[str, Any]]:
+    """The server's side: a new segment with two rings of ``ring_bytes`` each, and the offer for the
+    WELCOME. Raises OSError when /dev/shm cannot hold it."""
+    first, second, total = _layout(ring_bytes)
+    segment, name, token = create_segment(total)
+    size = _round_up(ring_bytes)
+    link = ShmLink(out=Ring(segment, second, size), into=Ring(segment, first, size), _map=segment,
+                   path=os.path.join(SHM_DIR, name))
+    return link, {"name": name, "ring_bytes": size, "token": token.hex()}
+
+
+def attach(offer: Any) -> ShmLink:
+    """The client's side: map the offered segment and check its token. Raises OSError or ValueError
+    (another host's segment, or a /dev/shm this process does not share) for the caller to decline."""
+    if not isinstance(offer, dict):
+        raise ValueError("malformed shared-memory offer")
+    size = offer.get("ring_bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % _ALIGN:
+        raise ValueError("malformed shared-memory offer")
+    first, second, total = _layout(size)
+    segment = open_segment(offer.get("name", ""), total, offer.get("token", ""))
     return ShmLink(out=Ring(segment, first, size), into=Ring(segment, second, size), _map=segment)
 
 

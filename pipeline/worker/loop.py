@@ -105,7 +105,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
     if plan.backend == "allreduce":
         from pipeline.worker.ddp import wrap
 
-        forward = wrap(model, device)
+        forward = wrap(model, device, shared_memory=plan.allreduce_shared_memory, timeout=plan.deadlines.step)
     # A retried attempt (new generation) starts at the server's step for this rank; the epoch and the
     # batch within it follow from it, so no sample is skipped or trained on twice.
     first_epoch, skip = plan.locate(step)

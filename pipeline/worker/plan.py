@@ -118,6 +118,8 @@ class WorkerPlan:
     precision: str = "fp32"  # train.precision: fp32 | bf16 | fp16
     profile: bool = False  # train.profile: the per-step timing breakdown (pipeline.worker.timing)
     overlap: bool = False  # ps.overlap: gradient buckets pushed while backward runs (pipeline.worker.buckets)
+    # train.allreduce_shared_memory: DDP buckets averaged through /dev/shm when all ranks share a host
+    allreduce_shared_memory: bool = True
     # Global step = step_offset + epoch * steps_per_epoch + batch (non-zero after a resume on another world
     # size: pipeline.data.assignment.StreamPlan).
     step_offset: int = 0
