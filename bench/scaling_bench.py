@@ -16,9 +16,11 @@ count N (always 1, plus --workers; `--workers 4 8` where there are the cores):
   shardline <b>    `pipeline.launch.train` with N barrier tasks (N=1: a one-task barrier run),
                    train.backend ps (ps.mode=sync) and allreduce.
 
-Columns: train() samples/s = train rows x epochs / the train() call's wall (launch included); loop
-samples/s = samples / the epochs' own clocks (the limit's: first start to last end); then loop samples/s
-÷ the limit at the same N, ÷ one process, scaling efficiency (÷ N x one process), and CPU ms per 1,000
+Each worker count is measured in --repeats rounds (default 3), each round the limit and then every backend
+back to back; the table shows medians over the rounds. Columns: train() samples/s = train rows x epochs /
+the train() call's wall (launch included); loop samples/s = samples / the epochs' own clocks (the
+limit's: first start to last end); then loop samples/s ÷ the limit at the same N (the median over rounds
+of each round's ratio to that round's limit), ÷ one process, scaling efficiency (÷ N x one process), and CPU ms per 1,000
 samples (every worker process's CPU in the loop: steadier than wall on a shared box; the ps rows leave
 out the driver's parameter server).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -36,11 +39,9 @@ from _common import (CONF, base_overrides, fmt, independent_trainers, prepare_da
                      spark_session, trainer_args, warm_up)
 
 MODELS = {"small": [128], "comm": [1024, 1024]}
-BACKENDS = {"ps": ["train.backend=ps", "ps.mode=sync"], "allreduce": ["train.backend=allreduce"]}
-
-
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) and b > 0 else "-"
+BACKENDS = {"ps": ["train.backend=ps", "ps.mode=sync"], "allreduce": ["train.backend=allreduce"],
+            "ps-overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true"]}
+DEFAULT_BACKENDS = ["ps", "allreduce"]
 
 
 def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict]:
@@ -60,29 +61,47 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
             steps = steps_per_epoch(manifest, n, cfg.train.batch_size)
             spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
                               task=manifest.task)
-            limit = independent_trainers([trainer_args(manifest, spec, cfg, steps, r) for r in range(n)])
-            one = limit.rate if n == 1 else one
-            base = {"model": model, "n": n, "one": one}
-            rows.append({**base, "what": "limit (independent)", "samples": limit.samples, "wall_rate": "-",
-                         "loop_rate": limit.rate,
-                         "limit": limit.rate, "cpu_per_k": 1e6 * limit.cpu_s / max(limit.samples, 1)})
-            lines(f"{model} x{n} limit: {limit.samples} samples, span {limit.span_s:.2f}s, per process loop "
-                  f"{[round(s, 2) for s in limit.loop_s]}s, {limit.cpu_s:.1f} CPU s")
+            # --repeats rounds, each the limit then every backend back to back: each backend's ratio is
+            # the median over rounds of its rate ÷ the same round's limit (a 2-core box drifts between
+            # rounds more than within one).
+            limits, runs = [], {b: [] for b in args.backends}
+            for rep in range(args.repeats):
+                limit = independent_trainers([trainer_args(manifest, spec, cfg, steps, r) for r in range(n)])
+                limits.append(limit)
+                lines(f"{model} x{n} round {rep + 1} limit: {limit.samples} samples, span {limit.span_s:.2f}s, "
+                      f"per process loop {[round(t, 2) for t in limit.loop_s]}s, {limit.cpu_s:.1f} CPU s")
+                for backend in args.backends:
+                    label = f"shardline {backend}"
+                    try:
+                        run = shardline_run(spark, load(str(CONF), overrides + BACKENDS[backend]), manifest)
+                    except Exception as exc:  # one failed run must not lose the others
+                        traceback.print_exc()
+                        lines(f"{model} x{n} round {rep + 1} {label}: {type(exc).__name__}: {exc}"[:300])
+                        continue
+                    runs[backend].append((run, limit))
+                    lines(f"{model} x{n} round {rep + 1} {label}: {run.steps} steps, {run.samples} samples; train() "
+                          f"{run.wall_s:.1f}s, slowest run() {run.run_s:.1f}s, loop {run.loop_s:.1f}s, "
+                          f"{run.cpu_s:.1f} CPU s; ÷ this round's limit {run.samples / max(run.loop_s, 1e-9) / limit.rate:.2f}")
+            limit_rate = statistics.median(x.rate for x in limits)
+            one = limit_rate if n == 1 else one
+            base = {"model": model, "n": n, "one": one, "limit": limit_rate}
+            rows.append({**base, "what": "limit (independent)", "samples": limits[0].samples, "wall_rate": "-",
+                         "loop_rate": limit_rate,
+                         "ratio": 1.0, "cpu_per_k": statistics.median(1e6 * x.cpu_s / max(x.samples, 1) for x in limits)})
             for backend in args.backends:
-                label = f"shardline {backend}"
-                try:
-                    run = shardline_run(spark, load(str(CONF), overrides + BACKENDS[backend]), manifest)
-                except Exception as exc:  # one failed row must not lose the others
-                    traceback.print_exc()
+                label, done = f"shardline {backend}", runs[backend]
+                if not done:
                     rows.append({**base, "what": label, "samples": 0, "wall_rate": "error", "loop_rate": "error",
-                                 "limit": limit.rate, "cpu_per_k": "-"})
-                    lines(f"{model} x{n} {label}: {type(exc).__name__}: {exc}"[:300])
+                                 "ratio": None,
+                                 "cpu_per_k": "-"})
                     continue
-                rows.append({**base, "what": label, "samples": run.samples, "wall_rate": run.samples / run.wall_s,
-                             "loop_rate": run.samples / max(run.loop_s, 1e-9), "limit": limit.rate,
-                             "cpu_per_k": 1e6 * run.cpu_s / max(run.samples, 1) if run.cpu_s else "-"})
-                lines(f"{model} x{n} {label}: {run.steps} steps, {run.samples} samples; train() {run.wall_s:.1f}s, "
-                      f"slowest run() {run.run_s:.1f}s, loop {run.loop_s:.1f}s, {run.cpu_s:.1f} CPU s")
+                rate = statistics.median(r.samples / max(r.loop_s, 1e-9) for r, _ in done)
+                rows.append({**base, "what": label, "samples": done[0][0].samples,
+                             "wall_rate": statistics.median(r.samples / r.wall_s for r, _ in done),
+                             "loop_rate": rate,
+                             "ratio": statistics.median(r.samples / max(r.loop_s, 1e-9) / lim.rate for r, lim in done),
+                             "cpu_per_k": statistics.median(1e6 * r.cpu_s / max(r.samples, 1) for r, _ in done)
+                             if all(r.cpu_s for r, _ in done) else "-"})
     return rows
 
 
@@ -93,7 +112,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         per_one = r["loop_rate"] / r["one"] if isinstance(r["loop_rate"], float) and r["one"] else None
         out.append(f"{r['model']:<6} | {r['n']:>2} | {r['what']:<20} | {fmt(r['wall_rate'], ',.0f'):>17} | "
-                   f"{fmt(r['loop_rate'], ',.0f'):>14} | {_ratio(r['loop_rate'], r['limit']):>7} | "
+                   f"{fmt(r['loop_rate'], ',.0f'):>14} | {fmt(r['ratio'], '.2f') if r['ratio'] else '-':>7} | "
                    f"{fmt(per_one, '.2f') if per_one else '-':>11} | "
                    f"{fmt(per_one / r['n'], '.2f') if per_one else '-':>10} | {fmt(r['cpu_per_k'], '.1f'):>17}")
     return "\n".join(out)
@@ -103,12 +122,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2], help="worker counts besides 1")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--features", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=256, help="per worker; global = N x")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--workdir", default="/tmp/shardline-scaling-bench")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per worker count (medians reported)")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.workers):
         parser.error("--workers: each count must be at least 1")

@@ -12,13 +12,13 @@ def bench(load_bench):
 
 def test_the_table_prints_each_rate_against_the_limit_and_one_process(bench):
     rows = [{"model": "comm", "n": 1, "one": 1000.0, "what": "limit (independent)", "samples": 10, "wall_rate": "-",
-             "loop_rate": 1000.0, "limit": 1000.0, "cpu_per_k": 2.0},
+             "loop_rate": 1000.0, "limit": 1000.0, "ratio": 1.0, "cpu_per_k": 2.0},
             {"model": "comm", "n": 2, "one": 1000.0, "what": "limit (independent)", "samples": 10, "wall_rate": "-",
-             "loop_rate": 1800.0, "limit": 1800.0, "cpu_per_k": 2.0},
+             "loop_rate": 1800.0, "limit": 1800.0, "ratio": 1.0, "cpu_per_k": 2.0},
             {"model": "comm", "n": 2, "one": 1000.0, "what": "shardline allreduce", "samples": 10,
-             "wall_rate": 900.0, "loop_rate": 1440.0, "limit": 1800.0, "cpu_per_k": 2.5},
+             "wall_rate": 900.0, "loop_rate": 1440.0, "limit": 1800.0, "ratio": 0.8, "cpu_per_k": 2.5},
             {"model": "comm", "n": 2, "one": 1000.0, "what": "shardline ps", "samples": 0, "wall_rate": "error",
-             "loop_rate": "error", "limit": 1800.0, "cpu_per_k": "-"}]
+             "loop_rate": "error", "limit": 1800.0, "ratio": None, "cpu_per_k": "-"}]
     lines = bench.table(rows).splitlines()
     assert "÷ limit" in lines[0] and "÷ 1 process" in lines[0] and "efficiency" in lines[0]
     cells = [[c.strip() for c in line.split("|")] for line in lines[2:]]
@@ -38,7 +38,7 @@ def test_worker_counts_always_include_one_and_size_the_session(bench):
 @pytest.mark.slow
 def test_one_tiny_run_measures_every_row(bench, spark, tmp_path, capsys):
     args = bench.parse_args(["--rows", "3000", "--models", "small", "--batch-size", "32", "--workers", "2",
-                             "--workdir", str(tmp_path)])
+                             "--workdir", str(tmp_path), "--repeats", "1"])
     rows = bench.run(spark, args)
     assert [(r["n"], r["what"]) for r in rows] == [(n, what) for n in (1, 2) for what in
                                                    ("limit (independent)", "shardline ps", "shardline allreduce")]
