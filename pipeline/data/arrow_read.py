@@ -156,7 +156,11 @@ def read_row_group(parquet_file, path: str, index: int, features_field: Optional
     inputs = shard_columns(features, features_field)
     columns = inputs + ([label_field] if label_field is not None else [])
     try:
-        table = parquet_file.read_row_group(index, columns=columns)
+        # use_threads=False: a row group is decoded on the calling reader thread alone. The loader's own
+        # reader threads (data.reader_threads) already decode row groups side by side; pyarrow's pool
+        # inside each read only added hand-offs and contention (a 65k x 64 fp32 row group on 2 cores:
+        # 16-17 ms single-threaded against 21-35 ms with its pool, bench/loader_bench.py).
+        table = parquet_file.read_row_group(index, columns=columns, use_threads=False)
     except (pa.ArrowInvalid, OSError, KeyError) as exc:
         raise shard_read_error(f"cannot read row group {index} of shard file {path}: {exc}; re-run `shardline etl`",
                                exc) from None

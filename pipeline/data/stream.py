@@ -8,7 +8,8 @@ size. Row groups are decoded ahead by reader threads (pipeline.data.planned) -> 
 `steps_per_epoch` batches whose sizes differ by at most one -> a bounded queue filled by a prefetch
 thread -> the caller. A batch is (inputs, labels): inputs the dict of tensors described in
 pipeline.config.feature_spec (`numeric`, then one entry per other feature). Memory is
-O(window + row group x (reader_threads + 2) + batch x prefetch), whatever the shard size.
+O(window + row group x (reader_threads + 2) + batch x prefetch x 16), whatever the shard size (batches
+are handed over in lists of up to 16, mostly views of the window they were cut from).
 
 Petastorm reader (the LTS lane): the rank's own shard files through a fixed-size shuffle buffer, as
 before; it cannot change world size on resume.
@@ -234,8 +235,14 @@ class StreamingLoader:
                                name=f"prefetch-rank{self.rank}-epoch{epoch}")
 
 
+# Batches go to the consumer in lists of up to this many: a queue hand-off costs ~5-10 us on each side,
+# as much as cutting the batch itself, so one per batch of 256 rows was a tenth of the loader's CPU
+# (bench/loader_bench.py). A list goes at once whenever the consumer has nothing waiting.
+_HANDOFF_ITEMS = 16
+
+
 def _prefetched(make: Callable[[], Iterator], depth: int, stop: threading.Event, name: str) -> Iterator:
-    """Run `make()` in a thread feeding a queue of `depth` items; errors surface in the caller."""
+    """Run `make()` in a thread feeding a queue of `depth` lists of items; errors surface in the caller."""
     ready: queue.Queue = queue.Queue(maxsize=depth)
 
     def put(item) -> bool:
@@ -248,24 +255,32 @@ def _prefetched(make: Callable[[], Iterator], depth: int, stop: threading.Event,
         return False
 
     def produce() -> None:
+        pending: list = []
         try:
             for item in make():
-                if not put(item):
-                    return
+                pending.append(item)
+                if len(pending) >= _HANDOFF_ITEMS or ready.empty():
+                    if not put(pending):
+                        return
+                    pending = []
+            if pending and not put(pending):
+                return
             put(_DONE)
-        except BaseException as exc:  # surfaced in the consumer thread
+        except BaseException as exc:  # surfaced in the consumer thread, after the items before it
+            if pending and not put(pending):
+                return
             put(exc)
 
     thread = threading.Thread(target=produce, name=name, daemon=True)
     thread.start()
     try:
         while True:
-            item = ready.get()
-            if item is _DONE:
+            items = ready.get()
+            if items is _DONE:
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            if isinstance(items, BaseException):
+                raise items
+            yield from items
     finally:
         stop.set()
         thread.join(timeout=10)
