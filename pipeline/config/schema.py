@@ -331,9 +331,9 @@ class PSConfig(_Section):
     # A killed shard process fails the attempt naming it; the retry resumes from the newest checkpoint.
     server_processes: bool = False
     # Workers on the PS's own host move payloads through shared-memory rings (/dev/shm, pipeline/wire/shm.py),
-    # headers still on the authenticated socket: each ring (one per direction per connection) holds the
-    # connection's slice plus 256 KB, at most this many MB; 0: plain TCP. Never with ps.tls.
-    shared_memory_mb: float = Field(256.0, ge=0, le=65536)
+    # headers still on the authenticated socket: two per connection, each its slice's fp32 bytes + 256 KB;
+    # at most this many MB per PS shard together (connections beyond it stay on TCP); 0: TCP. Not with ps.tls.
+    shared_memory_mb: float = Field(1024.0, ge=0, le=1 << 20)
     # Sparse embedding tables on the PS (pipeline/config/sparse.py, docs/training.md "Sparse embedding tables").
     sparse: SparseConfig = Field(default_factory=SparseConfig)
 

@@ -24,6 +24,7 @@ class RankConnection:
     superseded: bool = False  # cut by new_generation(): its drop is not a worker failure
     pulled_version: int = 0  # version of the last PARAMS sent: the base of this rank's next gradient
     shm_offer: Any = None  # a shared-memory segment offered, not yet answered (pipeline.ps.shm_offer)
+    shm_reserved: int = 0  # bytes of the shard's ps.shared_memory_mb budget its rings hold
 
 
 @dataclass

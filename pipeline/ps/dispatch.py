@@ -64,7 +64,9 @@ class RequestContext(Protocol):
     @property
     def sparse(self) -> Any: ...  # pipeline.ps.sparse.store.SparseStore, or None
     @property
-    def shared_memory_bytes(self) -> int: ...  # ps.shared_memory_mb's ring cap; 0: none (ps.tls)
+    def shared_memory_bytes(self) -> int: ...  # ps.shared_memory_mb's budget per shard; 0: none (ps.tls)
+    def reserve_shared_memory(self, nbytes: int) -> bool: ...
+    def release_shared_memory(self, nbytes: int) -> None: ...
 
     def in_flight(self) -> ContextManager[None]: ...
     def count_push_payload(self, nbytes: int) -> None: ...
@@ -250,6 +252,9 @@ def serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> No
         _serve_requests(ctx, conn, peer)
     finally:
         drop_offer(conn)
+        if conn.shm_reserved:  # the rings go with the channel, closed right after this loop
+            ctx.release_shared_memory(conn.shm_reserved)
+            conn.shm_reserved = 0
 
 
 def _serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> None:

@@ -39,8 +39,9 @@ class PSSettings:
     bucket_bytes: int = 0
     # ps.server_processes: each shard runs in a child process of its own (pipeline.ps.shard_proxy)
     server_processes: bool = False
-    # ps.shared_memory_mb: each ring's cap in bytes for workers on this host (pipeline.wire.shm); 0: TCP only
-    shared_memory_bytes: int = 256 << 20
+    # ps.shared_memory_mb: the /dev/shm bytes one shard's rings may hold together, for workers on this
+    # host (pipeline.wire.shm, pipeline.ps.shm_offer); connections beyond it stay on TCP; 0: TCP only
+    shared_memory_bytes: int = 1024 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, OptimizerSpec):
@@ -62,7 +63,7 @@ class PSSettings:
             raise PSError(f"{BUCKET_KEY} must give a bucket size >= 0 bytes, got {self.bucket_bytes!r}")
         if isinstance(self.shared_memory_bytes, bool) or not isinstance(self.shared_memory_bytes, int) \
                 or self.shared_memory_bytes < 0:
-            raise PSError(f"ps.shared_memory_mb must give a ring size >= 0 bytes, got {self.shared_memory_bytes!r}")
+            raise PSError(f"ps.shared_memory_mb must give a budget >= 0 bytes, got {self.shared_memory_bytes!r}")
         if not isinstance(self.server_processes, bool):
             raise PSError(f"ps.server_processes must be true or false, got {self.server_processes!r}")
 

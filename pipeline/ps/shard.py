@@ -73,6 +73,7 @@ class ShardServer:
         self._cond = self._core.cond
         self._settings = settings
         self._shm_cap = 0 if tls is not None else settings.shared_memory_bytes  # ps.tls: all on the wire
+        self._shm_used = 0  # bytes of /dev/shm this shard's connections' rings hold now
         self._push_dtypes = frozenset({wire_dtype(settings.compression)})
         # Receive buffer per connection: a top-k push may carry up to 8 bytes per parameter.
         self._push_buf_bytes = self._core.num_params * (8 if settings.compression == "topk" else 4)
@@ -384,6 +385,18 @@ class ShardServer:
     @property
     def shared_memory_bytes(self) -> int:
         return self._shm_cap
+
+    def reserve_shared_memory(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of this shard's ps.shared_memory_mb budget for one connection's rings."""
+        with self._cond:
+            if self._shm_used + nbytes > self._shm_cap:
+                return False
+            self._shm_used += nbytes
+            return True
+
+    def release_shared_memory(self, nbytes: int) -> None:
+        with self._cond:
+            self._shm_used -= nbytes
 
     @contextlib.contextmanager
     def in_flight(self) -> Iterator[None]:

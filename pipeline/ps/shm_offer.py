@@ -27,7 +27,7 @@ from pipeline.wire.deadline import deadline_after, remaining
 
 logger = logging.getLogger(__name__)
 
-# Above the slice's own bytes: room for the buffers, sparse and metrics frames of a step next to it.
+# Above the slice's own bytes: room for the buffers and sparse frames of a step next to it.
 SLACK_BYTES = 256 * 1024
 
 
@@ -83,17 +83,22 @@ class ShmRequestHandler:
     def handle(self, ctx: Any, conn: Any, request: ShmRequest) -> ShmOffer:
         if conn.channel.shm is not None or conn.shm_offer is not None:
             raise Refusal("shared memory was already offered on this connection")
-        cap = ctx.shared_memory_bytes
-        reason = _declined(conn.channel, cap)
-        if reason is None:
+        reason = _declined(conn.channel, ctx.shared_memory_bytes)
+        ring = 4 * ctx.num_params + SLACK_BYTES
+        if reason is None and not ctx.reserve_shared_memory(2 * ring):
+            reason = (f"the shard's ps.shared_memory_mb budget ({ctx.shared_memory_bytes >> 20} MB) is taken by "
+                      "other connections' rings")
+            logger.info("rank %s stays on TCP: %s", conn.rank, reason)
+        elif reason is None:
             try:
-                link, body = shm.create(min(cap, 4 * ctx.num_params + SLACK_BYTES))
+                link, body = shm.create(ring)
             except OSError as exc:
+                ctx.release_shared_memory(2 * ring)
                 logger.warning("rank %s: no shared memory for its connection (%s); it stays on TCP: give "
                                "/dev/shm more room or lower ps.shared_memory_mb", conn.rank, exc)
                 reason = f"/dev/shm could not hold the rings: {exc}"
             else:
-                conn.shm_offer = link
+                conn.shm_offer, conn.shm_reserved = link, 2 * ring
                 return ShmOffer(request.step, body)
         return ShmOffer(request.step, {"declined": reason})
 

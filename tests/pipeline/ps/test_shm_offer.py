@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from pipeline.ps import shm_offer
 from pipeline.ps.protocol import MsgType
 from pipeline.wire import shm
 from pipeline.wire.deadline import deadline_after
@@ -75,10 +76,21 @@ def test_a_connected_worker_uses_its_rings_and_tcp_workers_do_not(make_server, m
         client.finish()
 
 
-def test_a_slice_larger_than_the_ring_goes_inline_and_still_trains(make_server, make_client) -> None:
-    small, _ = _train(make_server, make_client, 3, shared_memory_bytes=64 * 1024)
-    reference, _ = _train(make_server, make_client, 3, shared_memory_bytes=0)
-    assert torch.equal(small, reference)
+def test_connections_beyond_the_shards_budget_stay_on_tcp_and_a_closed_one_gives_it_back(
+        make_server, make_client) -> None:
+    one_connection = 2 * (4 * N + shm_offer.SLACK_BYTES)  # both rings of one connection
+    server = make_server(torch.zeros(N), world_size=2, shared_memory_bytes=one_connection + 1000)
+    first, second = make_client(server, 0), make_client(server, 1)
+    first.connect()
+    second.connect()
+    assert first._links[0].channel.shm is not None and second._links[0].channel.shm is None
+    shard = server._shards[0]
+    assert shard._shm_used == one_connection
+    first.close()  # its connection ends: its rings and their budget go
+    deadline = deadline_after(5)
+    while shard._shm_used:
+        assert time.monotonic() < deadline, "the closed connection kept its shared-memory budget"
+        threading.Event().wait(0.02)
 
 
 def test_a_second_request_for_rings_is_refused(make_server, make_client) -> None:
