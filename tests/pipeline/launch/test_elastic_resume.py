@@ -34,7 +34,11 @@ def test_two_workers_resumed_on_one_see_every_train_row_once_per_epoch(spark, di
     cfg, manifest, work = digits
     first_steps = steps_per_epoch(manifest, 2, 32)
     fail_at = first_steps + first_steps // 2  # mid second epoch
-    first = with_changes(cfg, faults={"fail_rank": 1, "fail_step": fail_at, "record_rows_dir": str(work / "leg1")})
+    # Rank 0 dawdles through the interrupted epoch (40 ms a step) so that the driver's checkpointer, which
+    # polls every 0.1 s, lands a checkpoint in it whatever the machine's speed (a fast wire ran those
+    # nine steps within one poll).
+    first = with_changes(cfg, faults={"fail_rank": 1, "fail_step": fail_at, "record_rows_dir": str(work / "leg1"),
+                                      "delay_rank": 0, "delay_ms": 40, "delay_step": first_steps})
     with pytest.raises(WorkerTrainingFailedError):
         train(spark, first, manifest)
     store = CheckpointStore(Workdir.of(cfg).checkpoints)
