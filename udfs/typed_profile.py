@@ -48,6 +48,7 @@ class PartitionProfile:
                                                                                max_labels, allowed)
         self.transform = Transform(specs, {})
         self.numeric = [i for i, s in enumerate(specs) if s["type"] == "numeric"]
+        self.stats_columns = [self.specs[i]["name"] for i in self.numeric + self.counted]
         self.rows = self.bad_rows = self.unknown = 0
         self.bad: dict[str, int] = {}
         self.split_rows = np.zeros(len(SPLITS), dtype=np.int64)
@@ -83,8 +84,10 @@ class PartitionProfile:
         for i, name in enumerate(SPLITS):
             self.split_rows[i] += int(((splits == name) & valid).sum())
         train = (splits == "train") & valid
-        if train.any():
-            self._train_stats(table.filter(pa.array(train)))
+        if train.any() and self.stats_columns:
+            # Only the columns the statistics read are filtered: the one-pass encode's batches also carry
+            # every categorical's text, which a whole-table filter would copy for nothing.
+            self._train_stats(table.select(self.stats_columns).filter(pa.array(train)))
         if self.collect_labels and len(self.labels) <= self.max_labels:
             self.labels.update(str(v) for v in pc.unique(batch.column(label).filter(pa.array(valid))).to_pylist())
         return table, valid, train

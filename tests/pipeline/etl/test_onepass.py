@@ -133,3 +133,28 @@ def test_summed_counts_adds_partitions_and_drops_values_seen_outside_train(tmp_p
     summed = summed_counts(paths).sort_by([("feature", "ascending"), ("value", "ascending")])
     assert summed.to_pylist() == [{"feature": 0, "value": "x", "n": 6}, {"feature": 1, "value": "x", "n": 1}]
     assert summed_counts([]).num_rows == 0
+
+
+def test_pass_one_widens_arrow_batches_only_for_numeric_and_categorical_rows_at_sparks_default(spark):
+    from types import SimpleNamespace
+
+    from pipeline.etl.onepass import BATCH_KEY, WIDE_BATCH_ROWS, batch_rows
+
+    flat = [SimpleNamespace(type="numeric"), SimpleNamespace(type="categorical")]
+    wide = [SimpleNamespace(type=f["type"]) for f in FEATURES]  # a vector feature: the session's size is kept
+    old = spark.conf.get(BATCH_KEY, None)
+    try:
+        spark.conf.set(BATCH_KEY, "10000")
+        with batch_rows(spark, flat):
+            assert spark.conf.get(BATCH_KEY) == str(WIDE_BATCH_ROWS)
+        assert spark.conf.get(BATCH_KEY) == "10000"
+        with batch_rows(spark, wide):
+            assert spark.conf.get(BATCH_KEY) == "10000"
+        spark.conf.set(BATCH_KEY, "17")  # a session's own setting wins
+        with batch_rows(spark, flat):
+            assert spark.conf.get(BATCH_KEY) == "17"
+    finally:
+        if old is None:
+            spark.conf.unset(BATCH_KEY)
+        else:
+            spark.conf.set(BATCH_KEY, old)
