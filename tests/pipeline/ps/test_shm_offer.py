@@ -83,8 +83,9 @@ def test_connections_beyond_the_shards_budget_stay_on_tcp_and_a_closed_one_gives
     first, second = make_client(server, 0), make_client(server, 1)
     first.connect()
     second.connect()
-    assert first._links[0].channel.shm is not None and second._links[0].channel.shm is None
     shard = server._shards[0]
+    assert first._links[0].channel.shm is not None and second._links[0].channel.shm is None, \
+        (type(shard).__name__, shard._shm_used, shard._shm_cap, one_connection)
     assert shard._shm_used == one_connection
     first.close()  # its connection ends: its rings and their budget go
     deadline = deadline_after(5)
