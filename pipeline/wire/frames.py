@@ -309,15 +309,16 @@ class Channel:
         if self._shm_left:
             raise ProtocolError(f"a new frame began with {self._shm_left} bytes of a shared-memory payload unread")
         self._recv_exact(self._header_view, deadline, frame_start=True)
-        if self._header_buf[6]:  # pipeline.wire.shm.FLAG_OFFSET: the payload is in the ring
+        # pipeline.wire.shm.FLAG_OFFSET: the payload is in the ring. Without rings that byte stays what it
+        # always was, padding (a peer's stray bits there are no error of their own).
+        if self._header_buf[6] and self.shm is not None:
+            unpack_header(self._header_buf)  # a frame at all first (magic, version): that is the error to name
             self._begin_ring_payload(deadline)
         return self._header_buf
 
     def _begin_ring_payload(self, deadline: Optional[float]) -> None:
         from pipeline.wire import shm
 
-        if self.shm is None:
-            raise ProtocolError("a shared-memory frame on a connection that mapped no shared memory")
         self._header_buf[shm.FLAG_OFFSET] = 0
         self._recv_exact(memoryview(self._descriptor), deadline, frame_start=False)
         (end,) = shm.DESCRIPTOR.unpack(self._descriptor)
