@@ -218,7 +218,7 @@ class Channel:
                           f"header says {header.length}")
         packed = header.pack()
         self.sock.settimeout(timeout)
-        if self.shm is not None and header.length >= _SHM_MIN_BYTES and self._send_via_ring(packed, body):
+        if self.shm is not None and header.length >= _SHM_MIN_BYTES and self._send_via_ring(packed, body, header.length):
             return
         if not header.length:
             self.sock.sendall(packed)
@@ -245,7 +245,7 @@ class Channel:
                 self.sock.sendall(memoryview(body).cast("B")[sent - HEADER_SIZE:])
         self.bytes_sent += HEADER_SIZE + header.length
 
-    def _send_via_ring(self, packed: bytes, body: Buffer) -> bool:
+    def _send_via_ring(self, packed: bytes, body: Buffer, header_length: int) -> bool:
         from pipeline.wire import shm
 
         end = self.shm.out.put(body)
@@ -254,9 +254,8 @@ class Channel:
         flagged = bytearray(packed)
         flagged[shm.FLAG_OFFSET] = 1
         self.sock.sendall(flagged + shm.DESCRIPTOR.pack(end))
-        length = memoryview(body).nbytes
-        self.bytes_sent += HEADER_SIZE + length
-        self.shm_bytes_sent += length
+        self.bytes_sent += HEADER_SIZE + header_length
+        self.shm_bytes_sent += header_length
         return True
 
     def send_empty(self, msg_type: Any, *, generation: int, rank: int, step: int = 0,
@@ -312,17 +311,16 @@ class Channel:
         # pipeline.wire.shm.FLAG_OFFSET: the payload is in the ring. Without rings that byte stays what it
         # always was, padding (a peer's stray bits there are no error of their own).
         if self._header_buf[6] and self.shm is not None:
-            unpack_header(self._header_buf)  # a frame at all first (magic, version): that is the error to name
-            self._begin_ring_payload(deadline)
+            # A frame at all first (magic, version): that is the error to name; its last field is the length.
+            self._begin_ring_payload(unpack_header(self._header_buf)[-1], deadline)
         return self._header_buf
 
-    def _begin_ring_payload(self, deadline: Optional[float]) -> None:
+    def _begin_ring_payload(self, length: int, deadline: Optional[float]) -> None:
         from pipeline.wire import shm
 
         self._header_buf[shm.FLAG_OFFSET] = 0
         self._recv_exact(memoryview(self._descriptor), deadline, frame_start=False)
         (end,) = shm.DESCRIPTOR.unpack(self._descriptor)
-        (length,) = struct.unpack_from("<Q", self._header_buf, HEADER_SIZE - 8)  # every layout ends in it
         self.shm.into.begin(end, length)
         if length:
             self._shm_left = length

@@ -94,15 +94,22 @@ def test_connections_beyond_the_shards_budget_stay_on_tcp_and_a_closed_one_gives
         threading.Event().wait(0.02)
 
 
-def test_a_second_request_for_rings_is_refused(make_server, make_client) -> None:
+def _error_after(make_server, make_client, send) -> str:
+    """A connected worker's channel sends one frame out of turn; the text of the ERROR it gets back."""
     server = make_server(torch.zeros(N), world_size=1)
     client = make_client(server, 0)
     client.connect()
     channel = client._links[0].channel
-    channel.send_empty(MsgType.SHM_REQUEST, generation=1, rank=0, timeout=2)
+    send(channel)
     header = channel.recv_header(deadline_after(2))
     assert header.type is MsgType.ERROR
-    assert "already offered" in channel.recv_json(header, deadline_after(2))["error"]
+    return channel.recv_json(header, deadline_after(2))["error"]
+
+
+def test_a_second_request_for_rings_is_refused(make_server, make_client) -> None:
+    error = _error_after(make_server, make_client, lambda channel: channel.send_empty(
+        MsgType.SHM_REQUEST, generation=1, rank=0, timeout=2))
+    assert "already offered" in error
 
 
 def test_a_worker_gone_after_the_offer_leaves_no_segment(make_server, make_client, monkeypatch) -> None:
@@ -126,11 +133,6 @@ def test_a_worker_gone_after_the_offer_leaves_no_segment(make_server, make_clien
 
 
 def test_a_client_answering_without_an_offer_is_a_protocol_error(make_server, make_client) -> None:
-    server = make_server(torch.zeros(N), world_size=1)
-    client = make_client(server, 0)
-    client.connect()
-    channel = client._links[0].channel
-    channel.send_json(MsgType.SHM_ATTACHED, {"attached": True}, generation=1, rank=0, timeout=2)
-    header = channel.recv_header(deadline_after(2))
-    assert header.type is MsgType.ERROR
-    assert "without a shared-memory offer" in channel.recv_json(header, deadline_after(2))["error"]
+    error = _error_after(make_server, make_client, lambda channel: channel.send_json(
+        MsgType.SHM_ATTACHED, {"attached": True}, generation=1, rank=0, timeout=2))
+    assert "without a shared-memory offer" in error
