@@ -135,14 +135,18 @@ def _train_staged(tmp_path, factory, stages=2):
 # -- NaN/Inf losses --------------------------------------------------------------------------------
 def test_a_nan_loss_raises_non_finite_error_naming_rank_step_epoch_and_the_fix(tmp_path):
     errors, version = _train_flat(tmp_path, "nan_mlp")
-    assert isinstance(errors[0], NonFiniteError)
-    text = str(errors[0])
-    assert "rank 0" in text and "step 0" in text and "epoch 0" in text
+    # Both ranks' losses are NaN; whichever reports first fails as NonFiniteError, and the other either
+    # does the same or is stopped by the server naming the first one's failure.
+    first = [rank for rank, error in errors.items() if isinstance(error, NonFiniteError)]
+    assert first, errors
+    text = str(errors[first[0]])
+    assert f"rank {first[0]}" in text and "step 0" in text and "epoch 0" in text
     assert "train.lr" in text and "data" in text
-    assert not is_retryable(errors[0])
-    # rank 1 hit the same NaN or was stopped by rank 0's failure; either way no NaN gradient was applied
-    assert isinstance(errors[1], PSError)
-    assert version == 0
+    assert not is_retryable(errors[first[0]])
+    for rank in set(errors) - set(first):
+        assert isinstance(errors[rank], PSError) and "NonFiniteError" in str(errors[rank])
+    assert sorted(errors) == [0, 1]
+    assert version == 0  # no NaN gradient was applied
 
 
 def test_a_nan_loss_raises_non_finite_error_with_allreduce(tmp_path):
