@@ -110,8 +110,10 @@ def batch_rows(spark, entries):
         spark.conf.set(BATCH_KEY, current)
 
 
-def encode_pass(df, entries, data, allowed, source_types: dict[str, str], root: Path):
-    """(Profiles with the vocabularies ranked, {pid: (data, dict, remap file)}) from one pass."""
+def encode_pass(df, entries, data, allowed, source_types: dict[str, str], root: Path, direct=None):
+    """(Profiles with the vocabularies ranked, {pid: (data, dict, remap file)}) from one pass over `df`,
+    or over `direct` (pipeline/etl/direct_read.DirectSource: the same rows read from Parquet by pyarrow)."""
+    from udfs.parquet_rows import reading_named_rows
     from udfs.typed_encode import OUTPUT_DDL, make_encode_fn
 
     from pipeline.etl.vocab import rank_counts
@@ -120,8 +122,12 @@ def encode_pass(df, entries, data, allowed, source_types: dict[str, str], root: 
     fn = make_encode_fn(specs, data.label, SPLIT_COLUMN, data.task == "regression",
                         data.task == "classification" and allowed is None, MAX_CLASSES, allowed, str(root))
     columns = [e.name for e in entries] + [data.label, SPLIT_COLUMN]
+    if direct is not None:
+        source, fn = direct.frame, reading_named_rows(direct.columns, SPLIT_COLUMN, fn)
+    else:
+        source = df.select(*[f"`{c}`" for c in columns])
     with batch_rows(df.sparkSession, entries):
-        rows = df.select(*[f"`{c}`" for c in columns]).mapInArrow(fn, OUTPUT_DDL).collect()
+        rows = source.mapInArrow(fn, OUTPUT_DDL).collect()
     summaries = sorted(((r["pid"], json.loads(r["summary"])) for r in rows), key=lambda x: x[0])
     files = {pid: (s.pop("data"), s.pop("dict"), s.pop("remap")) for pid, s in summaries}
     counted = counted_features(entries)

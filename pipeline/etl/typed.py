@@ -23,6 +23,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.config.workdir import Workdir
 from pipeline.etl.checks import check_split_sizes, input_errors
 from pipeline.etl.clean import label_mapping
+from pipeline.etl.direct_read import direct_source
 from pipeline.etl.fit import fit_features, merge_profiles, profile_report
 from pipeline.etl.onepass import encode_pass, scratch_base, scratch_folder
 from pipeline.etl.split import SPLIT_COLUMN, assign_split
@@ -119,9 +120,9 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
         raise DataError(f"the frozen fit of {statistics.root} covers features {[f.name for f in statistics.feature_set]}, "
                         f"this input declares {[e.name for e in entries]}; the source's columns changed: start a "
                         "new workflow state")
-    df, source_types = cast_columns(selected, entries, data)
+    cast, source_types = cast_columns(selected, entries, data)
     names = [e.name for e in entries]
-    df = assign_split(df, [id_column] if id_column else names + [data.label], data.split)
+    df = assign_split(cast, [id_column] if id_column else names + [data.label], data.split)
     allowed = None if classes is None else {data.label: value_set(classes, numeric_labels)}
     if statistics is not None:  # the incremental workflow's later partitions: preprocessed exactly as the first
         with input_errors(data):
@@ -133,7 +134,8 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
                                allowed, started)
     with scratch_folder(scratch_base(spark, Workdir.of(cfg).shards)) as scratch:
         with input_errors(data):
-            profiles, files = encode_pass(df, entries, data, allowed, source_types, scratch)
+            direct = direct_source(selected, cast, names + [data.label], id_column, data.split)
+            profiles, files = encode_pass(df, entries, data, allowed, source_types, scratch, direct)
             report = profile_report(profiles, data, entries)
             specs, vocabularies = fit_features(spark, df, profiles, entries, data, source_types)
         return _pack_and_write(spark, cfg, df, files, profiles, report, specs, vocabularies, classes, numeric_labels,
