@@ -112,14 +112,16 @@ class ShmAttachedHandler:
         return ShmAttached(header.step, body.get("attached") is True)
 
     def handle(self, ctx: Any, conn: Any, request: ShmAttached) -> Ack:
-        link, conn.shm_offer = conn.shm_offer, None
-        if link is None:
+        if conn.shm_offer is None:
             raise ProtocolError("SHM_ATTACHED without a shared-memory offer")
+        if not request.attached:  # the worker could not map it: the segment and its budget go now
+            drop_offer(conn)
+            ctx.release_shared_memory(conn.shm_reserved)
+            conn.shm_reserved = 0
+            return Ack(request.step)
+        link, conn.shm_offer = conn.shm_offer, None
         shm.unlink(link)
-        if request.attached:
-            conn.channel.shm = link
-        else:
-            link.close()
+        conn.channel.shm = link
         return Ack(request.step)
 
 

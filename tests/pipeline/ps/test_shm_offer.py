@@ -136,3 +136,21 @@ def test_a_client_answering_without_an_offer_is_a_protocol_error(make_server, ma
     error = _error_after(make_server, make_client, lambda channel: channel.send_json(
         MsgType.SHM_ATTACHED, {"attached": True}, generation=1, rank=0, timeout=2))
     assert "without a shared-memory offer" in error
+
+
+def test_a_worker_that_cannot_map_the_offer_stays_on_tcp_and_the_segment_and_budget_go_at_once(
+        make_server, make_client, monkeypatch) -> None:
+    def unreachable(body):
+        raise OSError(f"{body['name']}: no such file (a container with its own /dev/shm)")
+
+    monkeypatch.setattr(shm, "attach", unreachable)
+    before = _segments()
+    server = make_server(torch.zeros(N), world_size=1)
+    client = make_client(server, 0)
+    client.connect()
+    shard = server._shards[0]
+    assert client._links[0].channel.shm is None
+    assert shard._shm_used == 0 and _segments() == before  # while the connection is still open
+    version, params = client.push_pull(0, torch.ones(N))
+    assert version == 1 and client._links[0].channel.shm_bytes_sent == 0
+    client.finish()
