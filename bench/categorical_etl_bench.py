@@ -23,8 +23,9 @@ Prints per variant: wall s, CPU s of the process tree (steadier than wall on a s
 peak RSS of the tree (and its JVM / Python-worker / driver-Python parts, each at its own peak), the wall
 and CPU time of each ETL stage (profile pass, or the typed fit's one-pass encode; vocabulary aggregation;
 fit; pack + write; the rest; timed by wrapping the functions run_etl calls), c0's distinct train values and vocabulary size. Then, untimed
-diagnostics after the ETL: the floor of any Python pass (a no-op mapInArrow over the variant's input
-columns) and its JVM-only part (the same columns decoded and summed in Spark SQL, no Arrow transfer),
+diagnostics after the ETL: the floor of any Python pass that Spark feeds (a no-op mapInArrow over the
+variant's input columns: what the typed ETL's pass 1 avoids by reading the Parquet source with pyarrow,
+pipeline/etl/direct_read.py) and its JVM-only part (the same columns decoded and summed in Spark SQL, no Arrow transfer),
 and the per-row cost of the typed ETL's per-feature work (udfs/transforms through the pack's Transform,
 the profile's value counts) on 200k raw rows in this process. Last, typed / numeric ratios of wall
 time (target <= 2), CPU time and peak RSS.
@@ -394,8 +395,8 @@ def main() -> int:
             print(f"  {v}: {parts}; {r['rows']:,} rows written of {r['input_rows']:,} "
                   f"({r['invalid_rows']:,} invalid dropped); {r['samples']} RSS samples")
     print()
-    print("floor: one no-op mapInArrow pass over the variant's input columns (JVM Parquet decode -> Arrow -> "
-          "Python workers), seconds:")
+    print("floor of a pass Spark feeds: one no-op mapInArrow over the variant's input columns (JVM Parquet decode "
+          "-> Arrow -> Python workers; the typed pass 1 reads a Parquet source with pyarrow instead), seconds:")
     for v, r in results.items():
         if "error" not in r:
             print(f"  {v}: {r['floor_scan']:.1f}s, {r['floor_cpu']:.0f} CPU s ({r['floor_cpu'] / r['cpu']:.0%} of its "

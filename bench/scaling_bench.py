@@ -40,7 +40,9 @@ from _common import (CONF, base_overrides, fmt, independent_trainers, prepare_da
 
 MODELS = {"small": [128], "comm": [1024, 1024]}
 BACKENDS = {"ps": ["train.backend=ps", "ps.mode=sync"], "allreduce": ["train.backend=allreduce"],
-            "ps-overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true"]}
+            "ps-overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true"],
+            # the server's reduce and optimizer split over two shard processes (one core each)
+            "ps-processes": ["train.backend=ps", "ps.mode=sync", "ps.shards=2", "ps.server_processes=true"]}
 DEFAULT_BACKENDS = ["ps", "allreduce"]
 
 
