@@ -84,7 +84,8 @@ class Ring:
         """Copy ``payload`` (a buffer) into the ring; its end position, or None if it does not fit now."""
         import torch
 
-        n = memoryview(payload).nbytes
+        source = memoryview(payload).cast("B")
+        n = source.nbytes
         if n > self.size:
             return None
         start = self._written
@@ -95,7 +96,6 @@ class Ring:
         end = start + n
         if end - int(self._consumed[0]) > self.size:
             return None  # the reader still holds that space: inline instead of waiting
-        source = memoryview(payload).cast("B")
         if not n:
             pass
         elif source.readonly:
