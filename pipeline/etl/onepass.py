@@ -1,6 +1,7 @@
 """The typed ETL's one read of the source's strings (issue 15): pass 1 encodes, the driver fits, pass 2 packs.
 
-Pass 1 (udfs/typed_encode.py, one mapInArrow over the source) profiles every row, as the profile pass
+Pass 1 (udfs/typed_encode.py, one mapInArrow over the source; a plain Parquet source's columns are read by
+pyarrow in the tasks instead of through Spark's rows, pipeline/etl/direct_read.py) profiles every row, as the profile pass
 does, and writes the valid rows to a scratch folder (Arrow IPC) beside the shard set with each learned categorical
 as a partition-local int32 id, plus each partition's local dictionary with train counts. The driver sums
 those counts (pyarrow, one table of all partitions' dictionaries) and ranks the vocabularies with

@@ -1,7 +1,7 @@
 """The ETL of typed features: check and cast the source columns, profile, fit on the train split, pack.
 
 A fit reads the source once (pipeline/etl/onepass.py, issue 15): pass 1 profiles every row (counts,
-split sizes, numeric moments, labels) and writes the valid rows to scratch Parquet with each learned
+split sizes, numeric moments, labels) and writes the valid rows to scratch Arrow files with each learned
 categorical as a partition-local int32 id, beside each partition's local dictionary with train counts;
 the driver sums the counts and ranks the vocabularies (pipeline/etl/vocab.py); pass 2 reads the scratch
 files (ids and numbers, no strings), maps local -> global ids and writes the shards. Medians by Spark
