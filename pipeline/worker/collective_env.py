@@ -13,10 +13,18 @@ import logging
 import os
 import socket
 import struct
+import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 log = logging.getLogger(__name__)
+
+# torch's gloo work threads destroy a finished collective's work object themselves, which takes the GIL
+# when the work captured Python thread-local state; the group's C++ destructor, run while the GIL is held
+# when the group's (or a DDP reducer's) last reference goes, joins those threads. A work still being
+# destroyed at that moment deadlocks both: seen once in CI, in a test that left its group right after its
+# last backward. Sleeping (the GIL released) before leaving lets the threads finish first.
+GLOO_SETTLE_S = 0.1
 
 _SIOCGIFADDR = 0x8915
 _VARIABLE = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
@@ -99,6 +107,8 @@ def release(backend: str, failed: bool) -> None:
 
     if not dist.is_initialized():
         return
+    if backend == "gloo":
+        time.sleep(GLOO_SETTLE_S)
     if failed and backend == "nccl":
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         try:
