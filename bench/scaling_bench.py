@@ -14,7 +14,8 @@ count N (always 1, plus --workers; `--workers 4 8` where there are the cores):
                    thread each), set up first and released together: what N cores deliver with no
                    communication at all. N=1 is "one process".
   shardline <b>    `pipeline.launch.train` with N barrier tasks (N=1: a one-task barrier run),
-                   train.backend ps (ps.mode=sync) and allreduce.
+                   train.backend ps (ps.mode=sync) and allreduce (optional: ps-overlap, ps.overlap=true;
+                   ps-processes, ps.shards=2 in two shard processes).
 
 Each worker count is measured in --repeats rounds (default 3), each round the limit and then every backend
 back to back; the table shows medians over the rounds. Columns: train() samples/s = train rows x epochs /
