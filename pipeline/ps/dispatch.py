@@ -37,7 +37,7 @@ from pipeline.ps.messages import (
 from pipeline.ps.buffers import BufferStore
 from pipeline.ps.policies import ConsistencyPolicy
 from pipeline.ps.protocol import DType, Header, MsgType
-from pipeline.ps.shm_offer import SHM_HANDLERS, ShmOffer, drop_offer
+from pipeline.ps.shm_offer import SHM_HANDLERS, ShmOffer, give_back
 from pipeline.ps.sparse.handlers import SPARSE_HANDLERS, SparseRows
 from pipeline.wire.deadline import Timeout, deadline_after
 from pipeline.wire.frames import PeerClosedError
@@ -251,10 +251,7 @@ def serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> No
     try:
         _serve_requests(ctx, conn, peer)
     finally:
-        drop_offer(conn)
-        if conn.shm_reserved:  # the rings go with the channel, closed right after this loop
-            ctx.release_shared_memory(conn.shm_reserved)
-            conn.shm_reserved = 0
+        give_back(ctx, conn)  # the rings go with the channel, closed right after this loop
 
 
 def _serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> None:

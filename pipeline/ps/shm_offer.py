@@ -115,9 +115,7 @@ class ShmAttachedHandler:
         if conn.shm_offer is None:
             raise ProtocolError("SHM_ATTACHED without a shared-memory offer")
         if not request.attached:  # the worker could not map it: the segment and its budget go now
-            drop_offer(conn)
-            ctx.release_shared_memory(conn.shm_reserved)
-            conn.shm_reserved = 0
+            give_back(ctx, conn)
             return Ack(request.step)
         link, conn.shm_offer = conn.shm_offer, None
         shm.unlink(link)
@@ -128,12 +126,16 @@ class ShmAttachedHandler:
 SHM_HANDLERS = {MsgType.SHM_REQUEST: ShmRequestHandler(), MsgType.SHM_ATTACHED: ShmAttachedHandler()}
 
 
-def drop_offer(conn: Any) -> None:
-    """A connection ending with an offer it never answered: remove the segment."""
+def give_back(ctx: Any, conn: Any) -> None:
+    """The connection's unanswered offer removed (its segment unlinked) and its share of the shard's budget
+    returned: a declined offer, or the connection's end (its rings go with the channel)."""
     link, conn.shm_offer = conn.shm_offer, None
     if link is not None:
         shm.unlink(link)
         link.close()
+    if conn.shm_reserved:
+        ctx.release_shared_memory(conn.shm_reserved)
+        conn.shm_reserved = 0
 
 
 def request_rings(channel: Channel, *, rank: int, generation: int, deadline: Optional[float]) -> None:
