@@ -43,6 +43,7 @@ class _FileCursor:
         self.names = {name: (name if name in self.file.schema_arrow.names else present.get(name.lower()))
                       for name, _ in columns}
         self.types = dict(columns)
+        self.wanted = sorted({n for n in self.names.values() if n is not None})
         self.starts = np.cumsum([0] + [self.file.metadata.row_group(i).num_rows
                                        for i in range(self.file.metadata.num_row_groups)])
         self.position, self.batches, self.pending = -1, iter(()), None
@@ -51,38 +52,30 @@ class _FileCursor:
         group = int(np.searchsorted(self.starts, row, side="right")) - 1
         if group < 0 or row >= self.starts[-1]:
             raise ValueError(f"{self.path} has {int(self.starts[-1])} rows; Spark named row {row}")
-        wanted = sorted({n for n in self.names.values() if n is not None})
         self.batches = self.file.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=range(group, len(self.starts) - 1),
-                                              columns=wanted, use_threads=False)
+                                              columns=self.wanted, use_threads=False)
         self.pending = None
         self.position = int(self.starts[group])
-        self._skip(row - self.position)
+        self._take(row - self.position)
 
-    def _next(self) -> pa.Table:
-        if self.pending is None or not self.pending.num_rows:
-            self.pending = pa.Table.from_batches([next(self.batches)])
-        return self.pending
-
-    def _skip(self, rows: int) -> None:
-        while rows:
-            pending = self._next()
-            n = min(rows, pending.num_rows)
-            self.pending = pending.slice(n)
-            rows -= n
+    def _take(self, count: int) -> list[pa.Table]:
+        """The next `count` rows from the cursor, as zero-copy slices of the decoded batches."""
+        parts = []
+        while count:
+            if self.pending is None or not self.pending.num_rows:
+                self.pending = pa.Table.from_batches([next(self.batches)])
+            n = min(count, self.pending.num_rows)
+            parts.append(self.pending.slice(0, n))
+            self.pending = self.pending.slice(n)
             self.position += n
+            count -= n
+        return parts
 
     def read(self, start: int, count: int) -> pa.Table:
         """Rows [start, start + count) of the file, as a table of the wanted columns (named as Spark names them)."""
         if start != self.position:
             self._seek(start)
-        parts, need = [], count
-        while need:
-            pending = self._next()
-            n = min(need, pending.num_rows)
-            parts.append(pending.slice(0, n))
-            self.pending = pending.slice(n)
-            need -= n
-        self.position += count
+        parts = self._take(count)
         table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
         arrays = []
         for name, source in self.names.items():
@@ -104,8 +97,9 @@ class ParquetRows:
         self.cursor: Optional[_FileCursor] = None
 
     def _cursor(self, uri: str) -> _FileCursor:
-        if self.cursor is None or self.cursor.path != local_path(uri):
-            self.cursor = _FileCursor(local_path(uri), self.columns)
+        path = local_path(uri)
+        if self.cursor is None or self.cursor.path != path:
+            self.cursor = _FileCursor(path, self.columns)
         return self.cursor
 
     def _run(self, uri: str, index: np.ndarray, split: pa.Array) -> pa.RecordBatch:
@@ -115,10 +109,8 @@ class ParquetRows:
             table = self._cursor(uri).read(first, len(index))
         else:  # not seen from a plain scan, but a filtered one would name rows so: read the span, take them
             table = self._cursor(uri).read(first, last - first + 1).take(pa.array(index - first))
-        table = table.combine_chunks()
-        arrays = [table.column(i).chunk(0) if table.column(i).num_chunks else pa.array([], table.column(i).type)
-                  for i in range(table.num_columns)]
-        return pa.RecordBatch.from_arrays(arrays + [split], names=table.column_names + [self.split_column])
+        (rows,) = table.combine_chunks().to_batches()  # a run holds at least one row: one batch
+        return pa.RecordBatch.from_arrays(rows.columns + [split], names=rows.schema.names + [self.split_column])
 
     def batches(self, named: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in named:
@@ -130,8 +122,7 @@ class ParquetRows:
             if files.null_count:
                 raise ValueError("Spark named a row without its Parquet file (_metadata.file_path is null)")
             first = files[0].as_py()
-            same = pc.all(pc.equal(files, first)).as_py()
-            if same:
+            if pc.all(pc.equal(files, first)).as_py():  # the usual batch: one file (no dictionary of paths)
                 yield self._run(first, index, split)
                 continue
             codes = pc.dictionary_encode(files)

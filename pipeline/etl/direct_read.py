@@ -21,11 +21,12 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-# (the source column's kind, the kind cast_columns makes of it) pairs pyarrow converts as Spark does.
-# Strings read as numbers (Spark's try_cast parses text its own way) and decimals, dates, timestamps
-# and maps are absent: they keep the Spark path.
-_ATOMS = ("byte", "short", "integer", "long", "float", "double", "boolean", "string", "binary")
-_NUMBERS = ("byte", "short", "integer", "long", "float", "double", "boolean")
+# (the source column's type, the type cast_columns makes of it) pairs pyarrow converts as Spark does, in
+# Spark's own names (DataType.simpleString, as cast_columns records the source's). Strings read as numbers
+# (Spark's try_cast parses text its own way) and decimals, dates, timestamps and maps are absent: they
+# keep the Spark path.
+_ATOMS = ("tinyint", "smallint", "int", "bigint", "float", "double", "boolean", "string", "binary")
+_NUMBERS = ("tinyint", "smallint", "int", "bigint", "float", "double", "boolean")
 CONVERSIONS = frozenset({(a, a) for a in _ATOMS} | {(a, "double") for a in _NUMBERS} | {("boolean", "string")}
                         | {(f"array<{a}>", "array<double>") for a in _NUMBERS[:-1]}
                         | {(f"array<{a}>", f"array<{a}>") for a in _ATOMS[:-1]})
@@ -37,14 +38,6 @@ class DirectSource:
     `columns` are the (name, Arrow type) pairs its tasks read, in the Spark path's order."""
     frame: object
     columns: tuple
-
-
-def _spark_kind(dtype) -> str:
-    from pyspark.sql.types import ArrayType
-
-    if isinstance(dtype, ArrayType):
-        return f"array<{_spark_kind(dtype.elementType)}>"
-    return type(dtype).__name__.removesuffix("Type").lower()
 
 
 def _scan_problem(df) -> Optional[str]:
@@ -88,10 +81,10 @@ def direct_source(selected, cast_df, names: list[str], id_column: Optional[str],
     problem = None if id_column else "no data.id_column: the split hashes every column, which Spark reads"
     problem = problem or _scan_problem(selected)
     if problem is None:
-        raw = {f.name: f.dataType for f in selected.schema.fields}
+        raw = {f.name: f.dataType.simpleString() for f in selected.schema.fields}
         cast = {f.name: f.dataType for f in cast_df.schema.fields}
-        odd = [f"{n} ({_spark_kind(raw[n])} -> {_spark_kind(cast[n])})" for n in names
-               if (_spark_kind(raw[n]), _spark_kind(cast[n])) not in CONVERSIONS or "." in n]
+        pairs = {n: (raw[n], cast[n].simpleString()) for n in names}
+        odd = [f"{n} ({a} -> {b})" for n, (a, b) in pairs.items() if (a, b) not in CONVERSIONS or "." in n]
         problem = f"columns {odd} need Spark's own conversion" if odd else None
     if problem is not None:
         log.info("typed ETL pass 1 reads the source through Spark: %s", problem)

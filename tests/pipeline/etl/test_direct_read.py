@@ -5,6 +5,7 @@ and say why."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -102,11 +103,7 @@ def _plan(spark, df, features, id_column="id", label="label"):
 
     entries = as_entries([TypeAdapter(FeatureEntry).validate_python(f) for f in features])
 
-    class Data:
-        pass
-
-    data = Data()
-    data.label, data.task = label, "classification"
+    data = SimpleNamespace(label=label, task="classification")  # what cast_columns reads of data
     selected = df.select(*dict.fromkeys(([id_column] if id_column else []) + [e.name for e in entries] + [label]))
     cast, _ = cast_columns(selected, entries, data)
     return direct_source(selected, cast, [e.name for e in entries] + [label], id_column, SplitConfig())
