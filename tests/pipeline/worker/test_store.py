@@ -2,6 +2,7 @@
 meets through it, and nothing it opens listens on a wildcard address."""
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -60,6 +61,10 @@ def test_a_connection_without_the_secret_is_refused_before_it_can_read_or_write_
         raw.settimeout(5)
         assert b"OK" not in raw.recv(4096)
     assert ok.get("gloo/rank0") == b"10.0.0.1:1234"
+    # The server's thread counts the raw client's refusal after the client has seen it: wait for the count.
+    deadline = time.monotonic() + 5
+    while server.refused < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert server.refused >= 3
     ok.close()
 
