@@ -91,7 +91,10 @@ class ShardCore:
 
     def optimizer_step(self, grad_sum: torch.Tensor, divisor: int) -> None:
         """sync/ssp/async: ``flat.grad = grad_sum / divisor`` and one optimizer step."""
-        if divisor != 1:
+        if divisor & (divisor - 1) == 0:  # a power of two: x * 2**-k is x / 2**k bit for bit (subnormals
+            if divisor != 1:  # too), and a multiply costs a fraction of a divide on the sync round's tail
+                grad_sum.mul_(1.0 / divisor)
+        else:
             grad_sum.div_(divisor)
         self.flat.grad = grad_sum
         if self._schedule is not None:

@@ -53,6 +53,21 @@ def test_fused_sgd_is_bit_identical_to_torch_sgd(spec: OptimizerSpec) -> None:
                            my_opt.state_dict()["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("divisor", [1, 2, 3, 4, 6, 8, 64])
+def test_the_server_step_applies_the_sum_divided_by_the_world_size_bit_for_bit(divisor: int) -> None:
+    """Powers of two scale by the reciprocal (a multiply, not a divide): the same bits as ``sum / n``,
+    signed zeros, subnormals and huge values included."""
+    from pipeline.ps.core import ShardCore
+    from pipeline.ps.settings import PSSettings
+
+    init = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    core = ShardCore(init, PSSettings(optimizer=OptimizerSpec(name="sgd", lr=0.5)), generation=0)
+    grad_sum = _grads(1, seed=3)[0] * 1e-3  # 1e-40 * 1e-3 / n: results below the subnormal range as well
+    expected = init - 0.5 * (grad_sum / divisor)
+    core.optimizer_step(grad_sum.clone(), divisor)
+    assert torch.equal(core.flat.detach().view(torch.int32), expected.view(torch.int32))
+
+
 def test_fused_sgd_is_only_built_for_plain_sgd() -> None:
     p = torch.zeros(3, requires_grad=True)
     assert FusedSGD.for_optimizer(build_optimizer(OptimizerSpec(name="adam"), p)) is None
