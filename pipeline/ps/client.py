@@ -210,8 +210,9 @@ class PSClient(BufferRequests, BucketRounds):
         """Wait until every shard's version is >= ``min_version`` and return (version, params); with
         several shards the version is the lowest any shard returned.
 
-        The returned tensor is a view of this client's reusable receive buffer: it is overwritten
-        by the next ``pull``, so copy it (e.g. into the model) before pulling again.
+        The returned tensor is a view of this client's reusable receive buffer, or (one shard, shared
+        memory) of the ring the reply lies in: either may be overwritten after the next ``pull``, so
+        copy it (e.g. into the model) or stop using it before pulling again.
         """
         links = self._require()
         what = f"parameters of version >= {min_version}"
@@ -221,20 +222,28 @@ class PSClient(BufferRequests, BucketRounds):
         return self._receive_params(links, what)
 
     def _receive_params(self, links: list[_Link], what: str) -> tuple[int, torch.Tensor]:
-        """Read every shard's PARAMS reply straight into its slice of the reusable buffer."""
+        """Read every shard's PARAMS reply straight into its slice of the reusable buffer; from one shard
+        whose reply lies in the shared-memory ring, take it where it lies instead (no copy: issue 17, the
+        round's serial tail), held in the ring until the next PARAMS."""
         wait = self._reply_wait
         assert self._params_buf is not None and self._params is not None
         view = memoryview(self._params_buf)
+        in_place: list[torch.Tensor] = []
 
         def receive(link: _Link, header: Header) -> int:
             if header.count != link.size:
                 raise ProtocolError(f"PARAMS of {header.count} elements from shard {link.index}, "
                                     f"expected {link.size}")
-            link.channel.recv_into(header, view[link.start * 4:link.end * 4], deadline_after(wait))
+            held = link.channel.recv_in_place(header) if len(links) == 1 else None
+            if held is not None:
+                in_place.append(held.view(torch.float32))
+            else:
+                link.channel.drop_in_place()
+                link.channel.recv_into(header, view[link.start * 4:link.end * 4], deadline_after(wait))
             return header.step
 
         versions = self._gather(links, MsgType.PARAMS, what, wait, receive)
-        return min(versions), self._params
+        return min(versions), (in_place[0] if in_place else self._params)
 
     @property
     def compressor(self) -> Compressor | None:

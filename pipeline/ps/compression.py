@@ -107,7 +107,13 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 class Contribution:
-    """Server-side view of one received push (aliases the receive buffer: use it before the next)."""
+    """Server-side view of one received push (aliases the receive buffer: use it before the next).
+
+    ``in_place``: a dense push read where it lies in the connection's shared-memory ring, which its
+    sender can still write: checking it and then summing it would let a local rank change it in between,
+    so a policy sums it first and checks the sum, its own memory (``SyncPolicy.push``)."""
+
+    in_place = False
 
     def __init__(self, payload: memoryview, header: Header, num_params: int) -> None:
         self.header = header
@@ -125,6 +131,20 @@ class Contribution:
             dtype = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
                      DType.BFLOAT16: torch.bfloat16}[header.dtype]
             self.values = torch.frombuffer(payload, dtype=dtype, count=num_params)
+
+    @classmethod
+    def lying_in(cls, data: torch.Tensor, header: Header, num_params: int) -> Contribution:
+        """A dense push over ``data`` (its bytes in place, 64-byte aligned: ``Channel.recv_in_place``)."""
+        if header.dtype is DType.SPARSE_F32:  # indices validated once could change after: never in place
+            raise ProtocolError("a sparse PUSH is never read in place")
+        contribution = cls.__new__(cls)
+        contribution.header, contribution.indices, contribution.in_place = header, None, True
+        if header.count != num_params:
+            raise ProtocolError(f"PUSH of {header.count} elements, the model has {num_params}")
+        dtype = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
+                 DType.BFLOAT16: torch.bfloat16}[header.dtype]
+        contribution.values = data.view(dtype)
+        return contribution
 
     def all_finite(self) -> bool:
         return all_finite(self.values)

@@ -96,6 +96,11 @@ class Handler(Generic[R]):
 def _read_contribution(ctx: RequestContext, conn: RankConnection, header: Header) -> Contribution:
     if header.dtype is not DType.SPARSE_F32 and header.count != ctx.num_params:
         raise ProtocolError(f"PUSH of {header.count} elements, the model has {ctx.num_params}")
+    if ctx.policy.sums_in_place and header.dtype is not DType.SPARSE_F32:
+        held = conn.channel.recv_in_place(header)  # its ring space is held until the request is answered
+        if held is not None:
+            ctx.count_push_payload(header.length)
+            return Contribution.lying_in(held, header, ctx.num_params)
     payload = conn.channel.recv_into(header, conn.grad_buf, deadline_after(ctx.step_timeout))
     ctx.count_push_payload(header.length)
     return Contribution(payload, header, ctx.num_params)  # validates sparse indices
@@ -243,6 +248,8 @@ def serve_request(ctx: RequestContext, conn: RankConnection, header: Header) -> 
         except Refusal as refusal:
             send_refusal(conn.channel, str(refusal), kind=refusal.kind, generation=conn.generation,
                          rank=conn.rank, step=header.step, timeout=ctx.step_timeout.seconds)
+        finally:
+            conn.channel.drop_in_place()  # a push read in place (_read_contribution) is summed by now
     return handler.ends_connection
 
 

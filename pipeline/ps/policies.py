@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from pipeline.ps.compression import Contribution
+from pipeline.ps.compression import Contribution, all_finite
 from pipeline.ps.connection import RankConnection, Roster
 from pipeline.ps.core import ShardCore
 from pipeline.ps.failures import FailureLedger
@@ -40,6 +40,8 @@ class ConsistencyPolicy:
     Called from connection threads; every method takes or expects the core's condition."""
 
     mode: ClassVar[str]
+    # Whether a dense push may be summed where it lies in shared memory (``Contribution.in_place``).
+    sums_in_place: ClassVar[bool] = False
 
     def __init__(self, core: ShardCore, roster: Roster, ledger: FailureLedger, stats: ShardStats,
                  consistency: Consistency) -> None:
@@ -143,11 +145,15 @@ class SyncPolicy(ConsistencyPolicy):
     """BSP: a step is applied once every rank pushed it (see module docstring)."""
 
     mode = "sync"
+    sums_in_place = True
 
     def __init__(self, core: ShardCore, roster: Roster, ledger: FailureLedger, stats: ShardStats,
                  consistency: Consistency) -> None:
         super().__init__(core, roster, ledger, stats, consistency)
         self.pushed: set[int] = set()  # ranks that pushed step == version
+        # The rank whose push, read in place, left a NaN/Inf in a sum other ranks' pushes were already in:
+        # that sum can no longer be applied, nor repaired, until the next generation starts the step anew.
+        self.poisoned_by: int | None = None
 
     def pending_locked(self) -> int:
         return len(self.pushed)
@@ -155,6 +161,7 @@ class SyncPolicy(ConsistencyPolicy):
     def new_generation_locked(self) -> int:
         discarded = len(self.pushed)
         self.pushed.clear()
+        self.poisoned_by = None
         super().new_generation_locked()
         return discarded
 
@@ -166,7 +173,8 @@ class SyncPolicy(ConsistencyPolicy):
         self.core.optimizer_step(grad_sum, self.world_size)
 
     def push(self, conn: RankConnection, step: int, grad: Contribution) -> int:
-        finite = grad.all_finite()  # outside the lock: a full pass over the gradient
+        # Outside the lock, a full pass over the gradient; one read in place is checked in the sum instead.
+        finite = True if grad.in_place else grad.all_finite()
         core = self.core
         with core.cond:
             self._refuse_if_unservable_locked(conn)
@@ -177,6 +185,9 @@ class SyncPolicy(ConsistencyPolicy):
                 raise Refusal(f"rank {conn.rank} already pushed a gradient for step {step}")
             if not finite:
                 raise self._nonfinite(conn, step)
+            if self.poisoned_by is not None:
+                raise Refusal(f"the gradient sum of step {step} holds rank {self.poisoned_by}'s NaN/Inf push, so "
+                              "the step cannot complete; lower train.lr or check the loss", kind=NONFINITE)
             timing = self.stats.timing
             started = timing.now()
             if self.pushed:
@@ -184,6 +195,11 @@ class SyncPolicy(ConsistencyPolicy):
             else:  # first push of the step: one pass that overwrites the (stale) sum
                 grad.start_sum(core.grad_sum)
                 timing.first_push_at = started
+            # The sum is this shard's own memory, which the pushing rank cannot change after this check.
+            if grad.in_place and not all_finite(core.grad_sum):
+                if self.pushed:
+                    self.poisoned_by = conn.rank
+                raise self._nonfinite(conn, step)
             timing.reduced_locked(started)
             self.pushed.add(conn.rank)
             self.stats.pushed_locked(conn.rank, step)

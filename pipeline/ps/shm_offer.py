@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 # Above the slice's own bytes: room for the buffers and sparse frames of a step next to it.
 SLACK_BYTES = 256 * 1024
+# Slices per ring: a worker keeps the PARAMS it trains on where they lie in the ring until the next
+# PARAMS arrives (``Channel.recv_in_place``), so the next one needs room of its own beside it.
+SLICES_PER_RING = 2
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class ShmRequestHandler:
         if conn.channel.shm is not None or conn.shm_offer is not None:
             raise Refusal("shared memory was already offered on this connection")
         reason = _declined(conn.channel, ctx.shared_memory_bytes)
-        ring = 4 * ctx.num_params + SLACK_BYTES
+        ring = SLICES_PER_RING * 4 * ctx.num_params + SLACK_BYTES
         if reason is None and not ctx.reserve_shared_memory(2 * ring):
             reason = (f"the shard's ps.shared_memory_mb budget ({ctx.shared_memory_bytes >> 20} MB) is taken by "
                       "other connections' rings")

@@ -352,6 +352,25 @@ class Channel:
         self._recv_exact(view, deadline, frame_start=False)
         return view
 
+    def recv_in_place(self, header: Any) -> Any:
+        """The payload of ``header`` where it lies in the shared-memory ring (a uint8 tensor), no copy,
+        its space held from the writer until the next ``recv_in_place`` or ``drop_in_place``; None when
+        the payload is not wholly in the ring (on the socket: read it with ``recv_into``)."""
+        if self.shm is None or not header.length or self._shm_left != header.length or self.shm.into.read_offset % 64:
+            return None  # (64: what the writer aligns every payload to; a peer's odd offset is copied out)
+        view = self.shm.into.view(header.length)
+        self.shm.into.hold()
+        self._shm_left = 0
+        self.bytes_received += header.length
+        self.shm_bytes_received += header.length
+        self.shm.into.release()
+        return view
+
+    def drop_in_place(self) -> None:
+        """The payload ``recv_in_place`` returned is no longer in use: its ring space comes free."""
+        if self.shm is not None:
+            self.shm.into.unhold()
+
     def recv_bytes(self, header: Any, deadline: Optional[float]) -> bytes:
         """Read a small (already size-validated) payload into fresh bytes."""
         buf = bytearray(header.length)

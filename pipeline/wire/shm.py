@@ -77,8 +77,10 @@ class Ring:
         self._consumed = torch.frombuffer(segment, dtype=torch.int64, count=1, offset=ctrl)
         self._data = torch.frombuffer(segment, dtype=torch.uint8, count=size, offset=ctrl + _CTRL)
         self._written = 0  # writer: the position after the last payload put
-        self._read_end = 0  # reader: the position after the last payload taken
+        self._read_start = self._read_end = 0  # reader: the last payload taken, its start and end positions
         self._read_at = 0  # reader: the data offset of the next byte of the payload being read
+        self._held: Optional[int] = None  # reader: the start of a payload still in use (``hold``)
+        self._reading = False  # reader: between ``begin`` and ``release``
 
     def put(self, payload: Any) -> Optional[int]:
         """Copy ``payload`` (a buffer) into the ring; its end position, or None if it does not fit now."""
@@ -88,7 +90,7 @@ class Ring:
         n = source.nbytes
         if n > self.size:
             return None
-        start = self._written
+        start = _round_up(self._written)  # 64-byte aligned: a reader may view a payload as fp32 in place
         offset = start % self.size
         if offset + n > self.size:
             start += self.size - offset
@@ -114,7 +116,8 @@ class Ring:
             raise ProtocolError(f"shared-memory descriptor out of bounds (end {end}, {length} bytes, ring of "
                                 f"{self.size} bytes, previous end {self._read_end})")
         self._read_at = offset
-        self._read_end = end
+        self._read_start, self._read_end = start, end
+        self._reading = True
 
     def take(self, view: memoryview) -> None:
         """Copy the next ``len(view)`` bytes of the current payload into ``view``."""
@@ -125,9 +128,35 @@ class Ring:
             torch.frombuffer(view, dtype=torch.uint8).copy_(self._data[self._read_at:self._read_at + n])
         self._read_at += n
 
+    @property
+    def read_offset(self) -> int:
+        """The data offset of the next byte of the current payload."""
+        return self._read_at
+
+    def view(self, n: int) -> Any:
+        """The next ``n`` bytes of the current payload in place (a uint8 tensor over the ring), no copy:
+        valid while the payload's space is not released (``hold``)."""
+        out = self._data[self._read_at:self._read_at + n]
+        self._read_at += n
+        return out
+
+    def hold(self) -> None:
+        """Keep the current payload's space from the writer after ``release`` (until the next ``hold``
+        or ``unhold``): its bytes are in use in place. Replaces an earlier hold, whose space comes free."""
+        self._held = self._read_start
+
+    def unhold(self) -> None:
+        """No payload in use in place any more: what was read may be written again (all of it, or up to
+        the payload being read now)."""
+        if self._held is not None:
+            self._held = None
+            self._consumed[0] = self._read_start if self._reading else self._read_end
+
     def release(self) -> None:
-        """The current payload is read: its space may be written again."""
-        self._consumed[0] = self._read_end
+        """The current payload is read: its space may be written again (a held payload's excepted, and
+        so everything after it, as ``consumed`` is one position)."""
+        self._consumed[0] = self._read_end if self._held is None else self._held
+        self._reading = False
 
     def drop(self) -> None:
         self._consumed = self._data = None  # type: ignore[assignment]

@@ -77,6 +77,13 @@ class FlatModel:
         grad = self.parameters[index].grad
         return grad is not None and grad.data_ptr() == self._pointers[index]
 
+    def bind_params(self, flat) -> None:
+        """The parameters become views of ``flat`` (``params``' size, fp32, CPU) instead: a pull that lies
+        elsewhere (the shared-memory ring, ``PSClient.pull``) is then loaded with no copy."""
+        for p, (start, end) in zip(self.parameters, self.offsets):
+            p.data = flat[start:end].view_as(p)
+        self.params = flat
+
     def rebind_grads(self) -> None:
         """Gradients back into views of ``grad`` (after something replaced them), values kept (zeros
         where a parameter has no gradient, as ``pipeline.models.flat.flat_gradients`` gives)."""

@@ -103,8 +103,10 @@ class Exchange:
     def _load(self, params: torch.Tensor) -> None:
         from pipeline.models import load_flat_parameters
 
-        if self.flat is None or params.data_ptr() != self.flat.params.data_ptr():
+        if self.flat is None:
             load_flat_parameters(self.model, params)
+        elif params.data_ptr() != self.flat.params.data_ptr():  # the client's buffer, or the ring's memory
+            self.flat.bind_params(params)
         self.lap("load_params")
 
     def _push(self, step: int, values: torch.Tensor) -> int:

@@ -78,7 +78,7 @@ def test_a_connected_worker_uses_its_rings_and_tcp_workers_do_not(make_server, m
 
 def test_connections_beyond_the_shards_budget_stay_on_tcp_and_a_closed_one_gives_it_back(
         make_server, make_client) -> None:
-    one_connection = 2 * (4 * N + shm_offer.SLACK_BYTES)  # both rings of one connection
+    one_connection = 2 * (shm_offer.SLICES_PER_RING * 4 * N + shm_offer.SLACK_BYTES)  # both rings of one connection
     server = make_server(torch.zeros(N), world_size=2, shared_memory_bytes=one_connection + 1000)
     first, second = make_client(server, 0), make_client(server, 1)
     first.connect()
@@ -154,3 +154,42 @@ def test_a_worker_that_cannot_map_the_offer_stays_on_tcp_and_the_segment_and_bud
     version, params = client.push_pull(0, torch.ones(N))
     assert version == 1 and client._links[0].channel.shm_bytes_sent == 0
     client.finish()
+
+
+def test_params_are_taken_where_they_lie_in_the_ring_and_stay_put_until_the_next_params(
+        make_server, make_client) -> None:
+    init = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    server = make_server(init.clone(), world_size=1)
+    client = make_client(server, 0)
+    client.connect()
+    _, first = client.pull(0)
+    ring = client._links[0].channel.shm.into
+    ring_start = ring._data.data_ptr()
+    assert ring_start <= first.data_ptr() < ring_start + ring.size  # no copy into the client's buffer
+    assert torch.equal(first, init)
+    kept = first.clone()
+    _, second = client.push_pull(0, torch.ones(N))  # the reply needs room beside the held first PARAMS
+    assert torch.equal(first, kept)  # the server never wrote over the PARAMS in use
+    assert second.data_ptr() != first.data_ptr() and torch.equal(second, server.parameters())
+    assert client._links[0].channel.shm_bytes_received == 2 * 4 * N  # both through the ring, not inline
+    client.finish()
+
+
+def test_a_nan_push_summed_in_place_is_refused_and_the_step_it_spoilt_never_applies(
+        make_server, make_client) -> None:
+    from pipeline.errors import NonFiniteError
+
+    server = make_server(torch.zeros(N), world_size=2)
+    clients = [make_client(server, rank) for rank in range(2)]
+    for client in clients:
+        client.connect()
+        client.pull(0)
+    clients[0].push(0, torch.ones(N))
+    poisoned = torch.ones(N)
+    poisoned[7] = float("nan")
+    with pytest.raises(NonFiniteError, match="rank 1 pushed a gradient with NaN/Inf for step 0"):
+        clients[1].push(0, poisoned)
+    with pytest.raises(NonFiniteError, match="holds rank 1's NaN/Inf push"):
+        clients[1].push(0, torch.ones(N))  # a finite retry cannot repair the sum rank 0 is in
+    assert server.version == 0 and torch.equal(server.parameters(), torch.zeros(N))
+    assert clients[1]._links[0].channel.shm is not None  # it was the ring path

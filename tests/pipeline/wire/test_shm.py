@@ -173,3 +173,27 @@ def test_bytes_that_are_no_frame_are_named_so_even_with_the_ring_flag_set() -> N
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_held_payload_keeps_its_space_from_the_writer_until_unheld(links) -> None:
+    server, client, _ = links
+    size = client.out.size
+    held_bytes = _bytes(int(0.3 * size), 7)
+    end = client.out.put(held_bytes)
+    server.into.begin(end, len(held_bytes))
+    view = server.into.view(len(held_bytes))
+    assert server.into.read_offset == len(held_bytes) and view.data_ptr() % 64 == 0
+    server.into.hold()
+    server.into.release()
+    written = 0
+    for i in range(8):  # the rest of the ring fills, then the writer refuses: never over the held bytes
+        payload = _bytes(int(0.3 * size), 10 + i)
+        end = client.out.put(payload)
+        if end is None:
+            break
+        written += 1
+        assert _read(server.into, end, len(payload)) == payload
+    assert written >= 2 and end is None
+    assert bytes(view.numpy().tobytes()) == bytes(held_bytes)
+    server.into.unhold()
+    assert client.out.put(_bytes(int(0.3 * size), 99)) is not None  # its space came free
