@@ -106,6 +106,9 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
 
 
+_DENSE = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}
+
+
 class Contribution:
     """Server-side view of one received push (aliases the receive buffer: use it before the next).
 
@@ -128,9 +131,7 @@ class Contribution:
         else:
             if header.count != num_params:
                 raise ProtocolError(f"PUSH of {header.count} elements, the model has {num_params}")
-            dtype = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
-                     DType.BFLOAT16: torch.bfloat16}[header.dtype]
-            self.values = torch.frombuffer(payload, dtype=dtype, count=num_params)
+            self.values = torch.frombuffer(payload, dtype=_DENSE[header.dtype], count=num_params)
 
     @classmethod
     def lying_in(cls, data: torch.Tensor, header: Header, num_params: int) -> Contribution:
@@ -141,9 +142,7 @@ class Contribution:
         contribution.header, contribution.indices, contribution.in_place = header, None, True
         if header.count != num_params:
             raise ProtocolError(f"PUSH of {header.count} elements, the model has {num_params}")
-        dtype = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
-                 DType.BFLOAT16: torch.bfloat16}[header.dtype]
-        contribution.values = data.view(dtype)
+        contribution.values = data.view(_DENSE[header.dtype])
         return contribution
 
     def all_finite(self) -> bool:

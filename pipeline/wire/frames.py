@@ -356,8 +356,11 @@ class Channel:
         """The payload of ``header`` where it lies in the shared-memory ring (a uint8 tensor), no copy,
         its space held from the writer until the next ``recv_in_place`` or ``drop_in_place``; None when
         the payload is not wholly in the ring (on the socket: read it with ``recv_into``)."""
-        if self.shm is None or not header.length or self._shm_left != header.length or self.shm.into.read_offset % 64:
-            return None  # (64: what the writer aligns every payload to; a peer's odd offset is copied out)
+        from pipeline.wire import shm
+
+        if self.shm is None or not header.length or self._shm_left != header.length \
+                or self.shm.into.read_offset % shm.PAYLOAD_ALIGN:
+            return None  # a peer's unaligned payload is copied out instead
         view = self.shm.into.view(header.length)
         self.shm.into.hold()
         self._shm_left = 0

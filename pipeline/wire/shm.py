@@ -51,6 +51,8 @@ FLAG_OFFSET = 6
 DESCRIPTOR = struct.Struct("<Q")
 _TOKEN = 16
 _ALIGN = 64
+# Every payload starts at a multiple of this offset (``Ring.put``): a reader may view it as fp32 in place.
+PAYLOAD_ALIGN = _ALIGN
 _CTRL = 64  # each ring's control block: the reader's consumed position, alone on its cache line
 _PREFIX = "shardline-"
 
@@ -90,7 +92,7 @@ class Ring:
         n = source.nbytes
         if n > self.size:
             return None
-        start = _round_up(self._written)  # 64-byte aligned: a reader may view a payload as fp32 in place
+        start = _round_up(self._written)  # PAYLOAD_ALIGN
         offset = start % self.size
         if offset + n > self.size:
             start += self.size - offset
