@@ -231,6 +231,8 @@ class PSClient(BufferRequests, BucketRounds):
         in_place: list[torch.Tensor] = []
 
         def receive(link: _Link, header: Header) -> int:
+            if header.type is MsgType.PARAMS_SHARED:
+                return self._params_from_page(link, header, in_place if len(links) == 1 else None)
             if header.count != link.size:
                 raise ProtocolError(f"PARAMS of {header.count} elements from shard {link.index}, "
                                     f"expected {link.size}")
@@ -244,6 +246,21 @@ class PSClient(BufferRequests, BucketRounds):
 
         versions = self._gather(links, MsgType.PARAMS, what, wait, receive)
         return min(versions), (in_place[0] if in_place else self._params)
+
+    def _params_from_page(self, link: _Link, header: Header, in_place: list[torch.Tensor] | None) -> int:
+        """PARAMS_SHARED: the version lies in the shard's page (pipeline.wire.shared_page); one shard's is
+        taken where it lies, several shards' are copied into their slices of the buffer."""
+        page = link.channel.params_page
+        if page is None or page.numel() != link.size:
+            raise ProtocolError(f"PARAMS_SHARED from shard {link.index}, which offered no shared parameter "
+                                f"page of its {link.size} parameters")
+        link.channel.drop_in_place()
+        if in_place is not None:
+            in_place.append(page)
+        else:
+            assert self._params is not None
+            self._params[link.start:link.end].copy_(page)
+        return header.step
 
     @property
     def compressor(self) -> Compressor | None:
@@ -383,7 +400,8 @@ class PSClient(BufferRequests, BucketRounds):
                 header = link.channel.recv_header(deadline)
                 if header.type is MsgType.ERROR:
                     body = link.channel.recv_json(header, deadline)
-                elif header.type is not msg_type:
+                elif header.type is not msg_type and not (msg_type is MsgType.PARAMS
+                                                          and header.type is MsgType.PARAMS_SHARED):
                     raise ProtocolError(f"expected {msg_type.name} while waiting for {what}, "
                                         f"got {header.type.name}")
                 else:

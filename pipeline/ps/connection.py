@@ -25,6 +25,7 @@ class RankConnection:
     pulled_version: int = 0  # version of the last PARAMS sent: the base of this rank's next gradient
     shm_offer: Any = None  # a shared-memory segment offered, not yet answered (pipeline.ps.shm_offer)
     shm_reserved: int = 0  # bytes of the shard's ps.shared_memory_mb budget its rings hold
+    params_in_page: bool = False  # the worker mapped the shared parameter page: PARAMS go as PARAMS_SHARED
 
 
 @dataclass

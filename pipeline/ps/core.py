@@ -33,10 +33,24 @@ from pipeline.wire.frames import U32_MAX
 logger = logging.getLogger(__name__)
 
 
+def _page_for(count: int) -> Any:
+    from pipeline.wire import shared_page
+
+    if not shared_page.supported():
+        return None
+    try:
+        return shared_page.SharedPage(count)
+    except OSError as exc:
+        logger.warning("the parameters stay in private memory (local workers get copies): no shared page "
+                       "for them (%s)", exc)
+        return None
+
+
 class ShardCore:
     """Parameters, optimizer, version and generation of one shard (see module docstring)."""
 
-    def __init__(self, initial: torch.Tensor, settings: PSSettings, *, generation: int) -> None:
+    def __init__(self, initial: torch.Tensor, settings: PSSettings, *, generation: int,
+                 shared_page: bool = False) -> None:
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
             raise PSError("the parameter server needs a non-empty initial parameter tensor")
         if not torch.isfinite(initial).all():
@@ -45,7 +59,11 @@ class ShardCore:
             raise PSError(f"generation must fit an unsigned 32-bit field, got {generation}")
         self.cond = threading.Condition(threading.Lock())
         self.step_timeout = settings.step_timeout
-        self.flat = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
+        # shared_page (sync mode, workers on this host): the parameters live in a page local workers map
+        # read-only (pipeline.wire.shared_page), so a PARAMS reply to them is a header, not a copy.
+        self.page = _page_for(initial.numel()) if shared_page else None
+        source = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        self.flat = source.clone() if self.page is None else self.page.tensor.copy_(source)
         self.flat.requires_grad_(True)
         self.num_params = self.flat.numel()
         # flat.grad IS the accumulation buffer: pushes sum into it, the step divides it once.
@@ -129,10 +147,15 @@ class ShardCore:
         return self.version
 
     def send_params(self, conn: RankConnection, version: int) -> None:
-        """Send straight from the flat tensor; releases the reader ``begin_read_locked`` registered."""
+        """Send straight from the flat tensor, or only say which version the shared page holds (a worker
+        that mapped it); releases the reader ``begin_read_locked`` registered."""
         try:
-            conn.channel.send_tensor(MsgType.PARAMS, self.flat.detach(), generation=conn.generation,
-                                     rank=conn.rank, step=version, timeout=self.step_timeout.seconds)
+            if conn.params_in_page:
+                conn.channel.send_empty(MsgType.PARAMS_SHARED, generation=conn.generation, rank=conn.rank,
+                                        step=version, timeout=self.step_timeout.seconds)
+            else:
+                conn.channel.send_tensor(MsgType.PARAMS, self.flat.detach(), generation=conn.generation,
+                                         rank=conn.rank, step=version, timeout=self.step_timeout.seconds)
         finally:
             with self.cond:
                 self.readers -= 1

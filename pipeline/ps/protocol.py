@@ -82,6 +82,9 @@ class MsgType(IntEnum):
     SHM_REQUEST = 18
     SHM_OFFER = 19
     SHM_ATTACHED = 20
+    # server -> client, empty, step = version: the PARAMS of that version lie in the shared parameter page
+    # the client mapped (pipeline.wire.shared_page; sync mode, a worker on the server's host).
+    PARAMS_SHARED = 21
 
 
 # fp16/bf16/sparse are only accepted for compressed pushes.
@@ -106,7 +109,8 @@ MAX_BUFFER_WORDS = 1 << 24
 MAX_SHARDS = 64
 SPARSE_KINDS = {MsgType.SPARSE_PULL: "pull", MsgType.SPARSE_ROWS: "rows", MsgType.SPARSE_PUSH: "push"}
 FIXED_SIZE_TYPES: dict[MsgType, int] = {MsgType.CHALLENGE: NONCE_SIZE, MsgType.AUTH: MAC_SIZE}
-EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH, MsgType.PULL_BUFFERS, MsgType.SHM_REQUEST})
+EMPTY_TYPES = frozenset({MsgType.PULL, MsgType.ACK, MsgType.FINISH, MsgType.PULL_BUFFERS, MsgType.SHM_REQUEST,
+                         MsgType.PARAMS_SHARED})
 
 
 def decode_header(
@@ -264,6 +268,10 @@ def check_welcome(info: ServerInfo, *, expected_params: Optional[int],
 class Channel(_frames.Channel):
     """A wire Channel that validates every header as a PS frame (``max_elements``: the parameter count
     of this connection, 0 before the handshake) and sends and receives PS tensors and JSON."""
+
+    # A worker's read-only fp32 view of the shard's parameters (pipeline.wire.shared_page), mapped at
+    # SHM_OFFER: where a PARAMS_SHARED reply's version lies. None: PARAMS carry their payload.
+    params_page: Any = None
 
     def recv_header(self, deadline: Optional[float], *,
                     tensor_dtypes: frozenset[DType] = DEFAULT_TENSOR_DTYPES) -> Header:

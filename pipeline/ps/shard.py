@@ -69,7 +69,9 @@ class ShardServer:
             raise PSError("the PS secret must be at least 16 random bytes (use pipeline.ps.new_secret())")
         if not host:
             raise PSError("the PS needs an explicit host to bind (ps.host or spark.driver.host)")
-        self._core = ShardCore(initial, settings, generation=generation)
+        # Sync mode on one host: the parameters in a page local workers map (pipeline.wire.shared_page).
+        self._core = ShardCore(initial, settings, generation=generation, shared_page=tls is None and
+                               settings.shared_memory_bytes > 0 and settings.consistency.mode == "sync")
         self._cond = self._core.cond
         self._settings = settings
         self._shm_cap = 0 if tls is not None else settings.shared_memory_bytes  # ps.tls: all on the wire
@@ -147,6 +149,8 @@ class ShardServer:
             while self._replying and (left := grace - time.monotonic()) > 0:
                 self._cond.wait(left)
         self._listener.close()
+        if core.page is not None:
+            core.page.close()
         logger.info("parameter server closed at version %s", core.version)
 
     def fail(self, reason: str) -> None:
@@ -385,6 +389,9 @@ class ShardServer:
     @property
     def shared_memory_bytes(self) -> int:
         return self._shm_cap
+
+    def params_page_offer(self) -> dict[str, Any] | None:
+        return None if self._core.page is None else self._core.page.offer()
 
     def reserve_shared_memory(self, nbytes: int) -> bool:
         """Take ``nbytes`` of this shard's ps.shared_memory_mb budget for one connection's rings."""

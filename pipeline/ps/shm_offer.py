@@ -22,7 +22,7 @@ from typing import Any, Optional
 from pipeline.errors import ProtocolError
 from pipeline.ps.messages import Ack, Refusal
 from pipeline.ps.protocol import Channel, Header, MsgType
-from pipeline.wire import shm
+from pipeline.wire import shared_page, shm
 from pipeline.wire.deadline import deadline_after, remaining
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class ShmRequest:
 class ShmAttached:
     step: int
     attached: bool
+    page: bool  # the worker also mapped the shared parameter page (pipeline.wire.shared_page)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class ShmRequestHandler:
                 reason = f"/dev/shm could not hold the rings: {exc}"
             else:
                 conn.shm_offer, conn.shm_reserved = link, 2 * ring
-                return ShmOffer(request.step, body)
+                return ShmOffer(request.step, {**body, **(ctx.params_page_offer() or {})})
         return ShmOffer(request.step, {"declined": reason})
 
 
@@ -112,7 +113,7 @@ class ShmAttachedHandler:
 
     def read(self, ctx: Any, conn: Any, header: Header) -> ShmAttached:
         body = conn.channel.recv_json(header, deadline_after(ctx.step_timeout))
-        return ShmAttached(header.step, body.get("attached") is True)
+        return ShmAttached(header.step, body.get("attached") is True, body.get("page") is True)
 
     def handle(self, ctx: Any, conn: Any, request: ShmAttached) -> Ack:
         if conn.shm_offer is None:
@@ -123,6 +124,7 @@ class ShmAttachedHandler:
         link, conn.shm_offer = conn.shm_offer, None
         shm.unlink(link)
         conn.channel.shm = link
+        conn.params_in_page = request.page and ctx.params_page_offer() is not None
         return Ack(request.step)
 
 
@@ -152,15 +154,22 @@ def request_rings(channel: Channel, *, rank: int, generation: int, deadline: Opt
     if "declined" in body:
         logger.debug("rank %s: no shared memory with the parameter server: %s", rank, body["declined"])
         return
-    link, reason = None, ""
+    link, reason, page = None, "", None
     try:
         link = shm.attach(body)
     except (OSError, ValueError) as exc:
         reason = str(exc)
         logger.info("rank %s: the parameter server's shared memory is not reachable from here (%s); this "
                     "connection stays on TCP", rank, reason)
+    if link is not None and "page" in body:
+        try:
+            page = shared_page.attach(body)
+        except (OSError, ValueError) as exc:  # e.g. another PID namespace: PARAMS come through the ring
+            logger.info("rank %s: the parameter server's shared parameter page is not reachable from here "
+                        "(%s); its PARAMS come as copies", rank, exc)
     try:
-        channel.send_json(MsgType.SHM_ATTACHED, {"attached": link is not None, "reason": reason[:200]},
+        channel.send_json(MsgType.SHM_ATTACHED, {"attached": link is not None, "page": page is not None,
+                                                 "reason": reason[:200]},
                           generation=generation, rank=rank, timeout=remaining(deadline))
         header = channel.recv_header(deadline)
         if header.type is not MsgType.ACK:
@@ -169,4 +178,4 @@ def request_rings(channel: Channel, *, rank: int, generation: int, deadline: Opt
         if link is not None:
             link.close()
         raise
-    channel.shm = link
+    channel.shm, channel.params_page = link, page

@@ -37,6 +37,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def writes_own_parameters(model) -> bool:
+    """Whether a forward pass of ``model`` writes its parameters in place: ``nn.Embedding`` and
+    ``nn.EmbeddingBag`` with ``max_norm`` renormalize the looked-up rows of their weight."""
+    import torch
+
+    return any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
+               for m in model.modules())
+
+
 class FlatModel:
     """``model``'s parameters (``model.parameters()`` order) as views of ``params``, their gradients as
     views of ``grad``. Only for CPU fp32 models (``bindable``)."""
@@ -59,6 +68,9 @@ class FlatModel:
                 self.offsets.append((offset, offset + n))
                 offset += n
         self._pointers = [p.grad.data_ptr() for p in self.parameters]
+        # A pull that lies elsewhere is bound only when the model never writes its own parameters: it may
+        # be the server's read-only page (pipeline.wire.shared_page), where a write would fault.
+        self.binds = not writes_own_parameters(model)
 
     @staticmethod
     def bindable(model) -> bool:

@@ -105,8 +105,11 @@ class Exchange:
 
         if self.flat is None:
             load_flat_parameters(self.model, params)
-        elif params.data_ptr() != self.flat.params.data_ptr():  # the client's buffer, or the ring's memory
-            self.flat.bind_params(params)
+        elif params.data_ptr() != self.flat.params.data_ptr():  # the ring's memory, or the server's page
+            if self.flat.binds:
+                self.flat.bind_params(params)
+            else:
+                self.flat.params.copy_(params)
         self.lap("load_params")
 
     def _push(self, step: int, values: torch.Tensor) -> int:

@@ -1,6 +1,7 @@
-"""Workers on the PS's host move their payloads through shared-memory rings (ps.shared_memory_mb): the
-same parameters as over TCP, bit for bit; no segment file left behind, whatever the worker does; none with
-the rings off; a request out of turn is refused."""
+"""Workers on the PS's host move their payloads through shared-memory rings (ps.shared_memory_mb), and in
+sync mode read the parameters from the server's sealed page: the same parameters as over TCP, bit for
+bit; no segment file left behind, whatever the worker does; none with the rings off; a request out of
+turn is refused."""
 from __future__ import annotations
 
 import glob
@@ -12,8 +13,9 @@ import pytest
 import torch
 
 from pipeline.ps import shm_offer
+from pipeline.ps.modes import Consistency
 from pipeline.ps.protocol import MsgType
-from pipeline.wire import shm
+from pipeline.wire import shared_page, shm
 from pipeline.wire.deadline import deadline_after
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory rings need x86-64 Linux")
@@ -61,18 +63,28 @@ def test_rings_carry_the_payloads_and_training_matches_tcp_bit_for_bit(make_serv
     assert _segments() == before  # unlinked once answered: nothing left in /dev/shm
 
 
-def test_a_connected_worker_uses_its_rings_and_tcp_workers_do_not(make_server, make_client) -> None:
+def test_ssp_and_average_train_through_the_rings_bit_for_bit_as_over_tcp(make_server, make_client) -> None:
+    for consistency in (Consistency(mode="ssp", staleness=1), Consistency(mode="average", sync_every=1)):
+        over_tcp, _ = _train(make_server, make_client, 4, shared_memory_bytes=0, consistency=consistency)
+        over_rings, clients = _train(make_server, make_client, 4, consistency=consistency)
+        assert torch.equal(over_tcp, over_rings), consistency.mode
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_connected_worker_uses_its_rings_and_tcp_workers_do_not(make_server, make_client, mode) -> None:
     init = torch.zeros(N)
     for cap, expect_rings in ((256 << 20, True), (0, False)):
-        server = make_server(init.clone(), world_size=1, shared_memory_bytes=cap)
+        server = make_server(init.clone(), world_size=1, shared_memory_bytes=cap,
+                             consistency=Consistency(mode=mode, staleness=1))
         client = make_client(server, 0)
         client.connect()
         client.pull(0)
         client.push_pull(0, torch.ones(N))
         channel = client._links[0].channel
-        assert (channel.shm is not None) is expect_rings
+        in_page = expect_rings and mode == "sync"  # sync: PARAMS lie in the server's page, never copied
+        assert (channel.shm is not None) is expect_rings and (channel.params_page is not None) is in_page
         assert (channel.shm_bytes_sent, channel.shm_bytes_received) == \
-            ((4 * N, 2 * 4 * N) if expect_rings else (0, 0))  # one push; two PARAMS (pull, push_pull)
+            ((4 * N, 0 if in_page else 2 * 4 * N) if expect_rings else (0, 0))  # one push; two PARAMS
         client.finish()
 
 
@@ -159,7 +171,7 @@ def test_a_worker_that_cannot_map_the_offer_stays_on_tcp_and_the_segment_and_bud
 def test_params_are_taken_where_they_lie_in_the_ring_and_stay_put_until_the_next_params(
         make_server, make_client) -> None:
     init = torch.randn(N, generator=torch.Generator().manual_seed(5))
-    server = make_server(init.clone(), world_size=1)
+    server = make_server(init.clone(), world_size=1, consistency=Consistency(mode="ssp", staleness=1))
     client = make_client(server, 0)
     client.connect()
     _, first = client.pull(0)
@@ -193,3 +205,60 @@ def test_a_nan_push_summed_in_place_is_refused_and_the_step_it_spoilt_never_appl
         clients[1].push(0, torch.ones(N))  # a finite retry cannot repair the sum rank 0 is in
     assert server.version == 0 and torch.equal(server.parameters(), torch.zeros(N))
     assert clients[1]._links[0].channel.shm is not None  # it was the ring path
+
+
+def test_sync_params_are_the_servers_own_page_which_no_other_process_can_write(make_server, make_client) -> None:
+    init = torch.randn(N, generator=torch.Generator().manual_seed(6))
+    server = make_server(init.clone(), world_size=1)
+    client = make_client(server, 0)
+    client.connect()
+    version, first = client.pull(0)
+    page = client._links[0].channel.params_page
+    assert version == 0 and first.data_ptr() == page.data_ptr() and torch.equal(first, init)
+    version, second = client.push_pull(0, torch.ones(N))
+    assert version == 1 and second.data_ptr() == first.data_ptr()  # the same memory, now holding version 1
+    assert torch.equal(second, server.parameters()) and torch.equal(second, init - 1.0)  # sgd, lr 1
+    assert client._links[0].channel.shm_bytes_received == 0  # no PARAMS payload at all
+    offer = server._shards[0].params_page_offer()
+    fd = os.open(offer["page"], os.O_RDWR)  # the same uid may open it, but the seal refuses every write
+    try:
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"\0" * 4, shared_page.HEADER)
+        import mmap
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, offer["page_bytes"])  # a writable shared mapping
+    finally:
+        os.close(fd)
+    assert torch.equal(server.parameters(), init - 1.0)
+    client.finish()
+
+
+def test_several_shards_copy_their_pages_into_the_slices_of_one_buffer(make_server, make_client) -> None:
+    init = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    server = make_server(init.clone(), world_size=1, shards=2)
+    client = make_client(server, 0)
+    client.connect()
+    _, params = client.pull(0)
+    assert all(link.channel.params_page is not None for link in client._links)
+    assert torch.equal(params, init) and params.data_ptr() == client._params.data_ptr()
+    _, params = client.push_pull(0, torch.full((N,), 0.5))
+    assert torch.equal(params, init - 0.5) and torch.equal(params, server.parameters())
+    client.finish()
+
+
+def test_a_worker_that_cannot_map_the_page_gets_params_through_its_ring(make_server, make_client,
+                                                                          monkeypatch) -> None:
+    def unreachable(body):
+        raise OSError(f"{body['page']}: no such file (another PID namespace)")
+
+    monkeypatch.setattr(shared_page, "attach", unreachable)
+    init = torch.randn(N, generator=torch.Generator().manual_seed(8))
+    server = make_server(init.clone(), world_size=1)
+    client = make_client(server, 0)
+    client.connect()
+    channel = client._links[0].channel
+    assert channel.shm is not None and channel.params_page is None
+    _, params = client.push_pull(0, torch.ones(N))
+    assert torch.equal(params, init - 1.0) and channel.shm_bytes_received == 4 * N
+    client.finish()
+

@@ -235,3 +235,25 @@ def test_a_nan_loss_with_buckets_is_refused_by_every_slice_and_never_applied(tmp
         assert server.version == 0 and torch.equal(server.parameters(), initial)
     assert any(isinstance(e, NonFiniteError) for e in errors.values()), errors
     assert all(isinstance(e, PSError) for e in errors.values()), errors  # NonFiniteError is a PSError
+
+
+def test_a_model_that_renormalizes_its_embedding_copies_pulls_instead_of_binding_them():
+    from pipeline.worker.buckets import writes_own_parameters
+
+    plain = build_model(SPEC)
+    renormed = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Flatten(),
+                                   torch.nn.Linear(4, 2))
+    assert not writes_own_parameters(plain) and writes_own_parameters(renormed)
+    with torch.no_grad():  # what a max_norm lookup does to the weight: it writes the rows it reads
+        renormed(torch.tensor([[3]]))
+    flat = FlatModel(renormed)
+    assert not flat.binds and FlatModel(plain).binds
+    from pipeline.worker.exchange import SyncExchange
+
+    exchange = SyncExchange.__new__(SyncExchange)  # only _load's state: no server needed
+    exchange.flat, exchange.model, exchange.lap = flat, renormed, lambda part: None
+    pulled = torch.arange(flat.params.numel(), dtype=torch.float32)  # e.g. the server's read-only page
+    own = flat.params.data_ptr()
+    exchange._load(pulled)
+    assert flat.params.data_ptr() == own and torch.equal(flat.params, pulled)  # copied, not bound
+    assert all(own <= p.data_ptr() < own + 4 * pulled.numel() for p in renormed.parameters())
