@@ -32,6 +32,18 @@ class BucketRounds:
         self._params = flat
         self._params_buf = memoryview(flat.detach().numpy()).cast("B")
 
+    def grad_slot(self) -> torch.Tensor | None:
+        """The connection's gradient slot as ``num_params`` fp32 values (one shard on this host, pushes
+        uncompressed; else None): a gradient computed into it is pushed as a descriptor, with no copy
+        (pipeline.wire.shm). Valid for this connection: after a reconnect, pushes from it are copied."""
+        links = self._links
+        slot = None if len(links) != 1 or links[0].channel.shm is None else links[0].channel.shm.slot
+        link = links[0] if links else None
+        if slot is None or link is None or link.compressor is None or link.compressor.compression != "none" \
+                or slot.size < 4 * link.size:
+            return None
+        return slot.data[:4 * link.size].view(torch.float32)
+
     def link_ranges(self) -> list[tuple[int, int]]:
         """Each shard's ``[start, end)`` slice, in shard order: the buckets an overlapped push sends."""
         return [(link.start, link.end) for link in self._require()]

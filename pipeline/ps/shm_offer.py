@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from pipeline.errors import ProtocolError
 from pipeline.ps.messages import Ack, Refusal
-from pipeline.ps.protocol import Channel, Header, MsgType
+from pipeline.ps.protocol import Channel, DType, Header, MsgType
 from pipeline.wire import shared_page, shm
 from pipeline.wire.deadline import deadline_after, remaining
 
@@ -89,20 +89,23 @@ class ShmRequestHandler:
             raise Refusal("shared memory was already offered on this connection")
         reason = _declined(conn.channel, ctx.shared_memory_bytes)
         ring = SLICES_PER_RING * 4 * ctx.num_params + SLACK_BYTES
-        if reason is None and not ctx.reserve_shared_memory(2 * ring):
+        # Uncompressed gradient pushes: a slot the worker's autograd writes into (pipeline.wire.shm).
+        slot = 4 * ctx.num_params if ctx.policy.mode != "average" and ctx.push_dtypes == {DType.FLOAT32} else 0
+        held = 2 * ring + slot
+        if reason is None and not ctx.reserve_shared_memory(held):
             reason = (f"the shard's ps.shared_memory_mb budget ({ctx.shared_memory_bytes >> 20} MB) is taken by "
                       "other connections' rings")
             logger.info("rank %s stays on TCP: %s", conn.rank, reason)
         elif reason is None:
             try:
-                link, body = shm.create(ring)
+                link, body = shm.create(ring, slot)
             except OSError as exc:
-                ctx.release_shared_memory(2 * ring)
+                ctx.release_shared_memory(held)
                 logger.warning("rank %s: no shared memory for its connection (%s); it stays on TCP: give "
                                "/dev/shm more room or lower ps.shared_memory_mb", conn.rank, exc)
                 reason = f"/dev/shm could not hold the rings: {exc}"
             else:
-                conn.shm_offer, conn.shm_reserved = link, 2 * ring
+                conn.shm_offer, conn.shm_reserved = link, held
                 return ShmOffer(request.step, {**body, **(ctx.params_page_offer() or {})})
         return ShmOffer(request.step, {"declined": reason})
 

@@ -207,6 +207,7 @@ class Channel:
         self.shm_bytes_sent = 0
         self.shm_bytes_received = 0
         self._shm_left = 0  # bytes of the current ring payload not read yet
+        self._ring_in: Any = None  # the ring (or gradient slot) that payload lies in
         self._descriptor = bytearray(8)
 
     # -- sending -----------------------------------------------------------------------------
@@ -248,11 +249,15 @@ class Channel:
     def _send_via_ring(self, packed: bytes, body: Buffer, header_length: int) -> bool:
         from pipeline.wire import shm
 
-        end = self.shm.out.put(body)
+        slot = self.shm.slot
+        end = None if slot is None else slot.put(body, in_place_only=True)  # written there by autograd
+        flag = shm.IN_SLOT
+        if end is None:
+            end, flag = self.shm.out.put(body), shm.IN_RING
         if end is None:
             return False  # the ring is full: inline, never a wait
         flagged = bytearray(packed)
-        flagged[shm.FLAG_OFFSET] = 1
+        flagged[shm.FLAG_OFFSET] = flag
         self.sock.sendall(flagged + shm.DESCRIPTOR.pack(end))
         self.bytes_sent += HEADER_SIZE + header_length
         self.shm_bytes_sent += header_length
@@ -318,25 +323,30 @@ class Channel:
     def _begin_ring_payload(self, length: int, deadline: Optional[float]) -> None:
         from pipeline.wire import shm
 
+        flag = self._header_buf[shm.FLAG_OFFSET]
         self._header_buf[shm.FLAG_OFFSET] = 0
+        ring = self.shm.into if flag == shm.IN_RING else self.shm.slot if flag == shm.IN_SLOT else None
+        if ring is None:
+            raise ProtocolError(f"shared-memory flag {flag} names no ring of this connection")
         self._recv_exact(memoryview(self._descriptor), deadline, frame_start=False)
         (end,) = shm.DESCRIPTOR.unpack(self._descriptor)
-        self.shm.into.begin(end, length)
+        ring.begin(end, length)
+        self._ring_in = ring
         if length:
             self._shm_left = length
         else:
-            self.shm.into.release()
+            ring.release()
 
     def _take_from_ring(self, view: memoryview) -> None:
         n = view.nbytes
         if n > self._shm_left:
             raise ProtocolError(f"read of {n} bytes past the {self._shm_left} left of a shared-memory payload")
-        self.shm.into.take(view)
+        self._ring_in.take(view)
         self._shm_left -= n
         self.bytes_received += n
         self.shm_bytes_received += n
         if not self._shm_left:
-            self.shm.into.release()
+            self._ring_in.release()
 
     def recv_header(self, deadline: Optional[float]) -> Header:
         """Read and validate the next header as a handshake frame; raises PeerClosedError on a clean EOF."""
@@ -359,20 +369,23 @@ class Channel:
         from pipeline.wire import shm
 
         if self.shm is None or not header.length or self._shm_left != header.length \
-                or self.shm.into.read_offset % shm.PAYLOAD_ALIGN:
+                or self._ring_in.read_offset % shm.PAYLOAD_ALIGN:
             return None  # a peer's unaligned payload is copied out instead
-        view = self.shm.into.view(header.length)
-        self.shm.into.hold()
+        ring = self._ring_in
+        view = ring.view(header.length)
+        ring.hold()
         self._shm_left = 0
         self.bytes_received += header.length
         self.shm_bytes_received += header.length
-        self.shm.into.release()
+        ring.release()
         return view
 
     def drop_in_place(self) -> None:
         """The payload ``recv_in_place`` returned is no longer in use: its ring space comes free."""
         if self.shm is not None:
             self.shm.into.unhold()
+            if self.shm.slot is not None:
+                self.shm.slot.unhold()
 
     def recv_bytes(self, header: Any, deadline: Optional[float]) -> bytes:
         """Read a small (already size-validated) payload into fresh bytes."""

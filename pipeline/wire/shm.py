@@ -45,9 +45,11 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 # Smaller payloads go inline: one small send costs less than the ring's bookkeeping.
 MIN_BYTES = 64 * 1024
-# Header byte 6 (the first pad byte of every 48-byte header layout) marks "payload in the ring"; the
-# 8-byte descriptor that follows the header is the ring position just past the payload.
+# Header byte 6 (the first pad byte of every 48-byte header layout) marks "payload in the ring" (1) or
+# "in the gradient slot" (2, ``ShmLink.slot``); the 8-byte descriptor that follows the header is that
+# ring's position just past the payload.
 FLAG_OFFSET = 6
+IN_RING, IN_SLOT = 1, 2
 DESCRIPTOR = struct.Struct("<Q")
 _TOKEN = 16
 _ALIGN = 64
@@ -84,8 +86,9 @@ class Ring:
         self._held: Optional[int] = None  # reader: the start of a payload still in use (``hold``)
         self._reading = False  # reader: between ``begin`` and ``release``
 
-    def put(self, payload: Any) -> Optional[int]:
-        """Copy ``payload`` (a buffer) into the ring; its end position, or None if it does not fit now."""
+    def put(self, payload: Any, *, in_place_only: bool = False) -> Optional[int]:
+        """Copy ``payload`` (a buffer) into the ring; its end position, or None if it does not fit now
+        (``in_place_only``: or if it is not already where it would go)."""
         import torch
 
         source = memoryview(payload).cast("B")
@@ -100,14 +103,29 @@ class Ring:
         end = start + n
         if end - int(self._consumed[0]) > self.size:
             return None  # the reader still holds that space: inline instead of waiting
-        if not n:
-            pass
+        in_place = bool(n) and self.holds_at(source, offset)
+        if in_place_only and not in_place:
+            return None
+        if not n or in_place:
+            pass  # already where it goes: written there in place (a gradient slot, ``ShmLink.slot``)
         elif source.readonly:
             self._data[offset:offset + n].copy_(torch.frombuffer(bytearray(source), dtype=torch.uint8))
         else:  # torch.frombuffer wants a writable buffer; large payloads are (tensor views)
             self._data[offset:offset + n].copy_(torch.frombuffer(source, dtype=torch.uint8))
         self._written = end
         return end
+
+    @property
+    def data(self) -> Any:
+        """The ring's data bytes (a uint8 tensor over the segment)."""
+        return self._data
+
+    def holds_at(self, source: memoryview, offset: int) -> bool:
+        """Whether ``source`` is this ring's own memory at data ``offset``."""
+        import torch
+
+        return not source.readonly and \
+            torch.frombuffer(source, dtype=torch.uint8).data_ptr() == self._data.data_ptr() + offset
 
     def begin(self, end: int, length: int) -> None:
         """Start reading the payload of ``length`` bytes that ends at ``end``; its bounds checked."""
@@ -172,22 +190,29 @@ class ShmLink:
     into: Ring
     _map: mmap.mmap
     path: str = ""
+    # client -> server, when offered: a ring of exactly one gradient that the client's autograd writes
+    # into in place, so its PUSH is only the descriptor (the client writes it, the server reads it).
+    slot: Optional[Ring] = None
 
     def close(self) -> None:
         self.out.drop()
         self.into.drop()
+        if self.slot is not None:
+            self.slot.drop()
         try:
             self._map.close()
         except BufferError:  # a tensor view still alive somewhere: the mapping goes with it
             pass
 
 
-def _layout(ring_bytes: int) -> tuple[int, int, int]:
-    """(client->server ring control offset, server->client ring control offset, total size)."""
+def _layout(ring_bytes: int, slot_bytes: int = 0) -> tuple[int, int, int, int]:
+    """(client->server ring control offset, server->client ring control offset, gradient slot control
+    offset, total size)."""
     size = _round_up(ring_bytes)
     first = _ALIGN
     second = first + _CTRL + size
-    return first, second, second + _CTRL + size
+    third = second + _CTRL + size
+    return first, second, third, third + (_CTRL + _round_up(slot_bytes) if slot_bytes else 0)
 
 
 def create_segment(total: int) -> tuple[mmap.mmap, str, bytes]:
@@ -236,15 +261,15 @@ def remove_segment(name: str) -> None:
         pass
 
 
-def create(ring_bytes: int) -> tuple[ShmLink, dict[str, Any]]:
-    """The server's side: a new segment with two rings of ``ring_bytes`` each, and the offer for the
-    WELCOME. Raises OSError when /dev/shm cannot hold it."""
-    first, second, total = _layout(ring_bytes)
+def create(ring_bytes: int, slot_bytes: int = 0) -> tuple[ShmLink, dict[str, Any]]:
+    """The server's side: a new segment with two rings of ``ring_bytes`` each (and a gradient slot of
+    ``slot_bytes``, if not 0), and the offer for the WELCOME. Raises OSError when /dev/shm cannot hold it."""
+    first, second, third, total = _layout(ring_bytes, slot_bytes)
     segment, name, token = create_segment(total)
-    size = _round_up(ring_bytes)
+    size, slot = _round_up(ring_bytes), _round_up(slot_bytes)
     link = ShmLink(out=Ring(segment, second, size), into=Ring(segment, first, size), _map=segment,
-                   path=os.path.join(SHM_DIR, name))
-    return link, {"name": name, "ring_bytes": size, "token": token.hex()}
+                   path=os.path.join(SHM_DIR, name), slot=Ring(segment, third, slot) if slot else None)
+    return link, {"name": name, "ring_bytes": size, "slot_bytes": slot, "token": token.hex()}
 
 
 def attach(offer: Any) -> ShmLink:
@@ -252,12 +277,16 @@ def attach(offer: Any) -> ShmLink:
     (another host's segment, or a /dev/shm this process does not share) for the caller to decline."""
     if not isinstance(offer, dict):
         raise ValueError("malformed shared-memory offer")
-    size = offer.get("ring_bytes")
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % _ALIGN:
+    size, slot = offer.get("ring_bytes"), offer.get("slot_bytes", 0)
+    for value in (size, slot):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % _ALIGN:
+            raise ValueError("malformed shared-memory offer")
+    if not size:
         raise ValueError("malformed shared-memory offer")
-    first, second, total = _layout(size)
+    first, second, third, total = _layout(size, slot)
     segment = open_segment(offer.get("name", ""), total, offer.get("token", ""))
-    return ShmLink(out=Ring(segment, first, size), into=Ring(segment, second, size), _map=segment)
+    return ShmLink(out=Ring(segment, first, size), into=Ring(segment, second, size), _map=segment,
+                   slot=Ring(segment, third, slot) if slot else None)
 
 
 def unlink(link: ShmLink) -> None:

@@ -50,13 +50,14 @@ class FlatModel:
     """``model``'s parameters (``model.parameters()`` order) as views of ``params``, their gradients as
     views of ``grad``. Only for CPU fp32 models (``bindable``)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, grad=None) -> None:
         import torch
 
         self.parameters = list(model.parameters())
         total = sum(p.numel() for p in self.parameters)
         self.params = torch.empty(total, dtype=torch.float32)
-        self.grad = torch.zeros(total, dtype=torch.float32)
+        # ``grad``: where the gradients are to lie instead, e.g. the connection's slot (PSClient.grad_slot).
+        self.grad = torch.zeros(total, dtype=torch.float32) if grad is None else grad.zero_()
         self.offsets: list[tuple[int, int]] = []
         offset = 0
         with torch.no_grad():

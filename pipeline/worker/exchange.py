@@ -77,7 +77,7 @@ class Exchange:
             from pipeline.worker.buckets import BucketPusher, FlatModel
 
             if FlatModel.bindable(model):
-                self.flat = FlatModel(model)
+                self.flat = FlatModel(model, grad=client.grad_slot())
                 client.use_params_buffer(self.flat.params)
                 self.grad = self.flat.grad
                 # One slice: nothing to send earlier than after backward. fp16: the push is unscaled first.

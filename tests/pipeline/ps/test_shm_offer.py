@@ -90,7 +90,8 @@ def test_a_connected_worker_uses_its_rings_and_tcp_workers_do_not(make_server, m
 
 def test_connections_beyond_the_shards_budget_stay_on_tcp_and_a_closed_one_gives_it_back(
         make_server, make_client) -> None:
-    one_connection = 2 * (shm_offer.SLICES_PER_RING * 4 * N + shm_offer.SLACK_BYTES)  # both rings of one connection
+    # both rings of one connection, and its gradient slot
+    one_connection = 2 * (shm_offer.SLICES_PER_RING * 4 * N + shm_offer.SLACK_BYTES) + 4 * N
     server = make_server(torch.zeros(N), world_size=2, shared_memory_bytes=one_connection + 1000)
     first, second = make_client(server, 0), make_client(server, 1)
     first.connect()
@@ -262,3 +263,37 @@ def test_a_worker_that_cannot_map_the_page_gets_params_through_its_ring(make_ser
     assert torch.equal(params, init - 1.0) and channel.shm_bytes_received == 4 * N
     client.finish()
 
+
+
+def test_a_gradient_computed_in_the_slot_is_pushed_without_a_copy_and_a_copy_elsewhere_still_works(
+        make_server, make_client) -> None:
+    init = torch.zeros(N)
+    server = make_server(init.clone(), world_size=1)
+    client = make_client(server, 0)
+    client.connect()
+    client.pull(0)
+    slot = client.grad_slot()
+    channel = client._links[0].channel
+    assert slot is not None and slot.numel() == N and channel.shm.slot.data.data_ptr() == slot.data_ptr()
+    slot.fill_(0.25)  # what autograd accumulating into the slot's views leaves there
+    ring_before = channel.shm.out._written
+    _, params = client.push_pull(0, slot)
+    assert torch.equal(params, torch.full((N,), -0.25))  # sgd, lr 1
+    assert channel.shm.out._written == ring_before  # the out ring never took it: the slot was the push
+    assert channel.shm_bytes_sent == 4 * N
+    slot.fill_(0.5)  # the next step's gradient, in the same slot (the server has let go of the last)
+    _, params = client.push_pull(1, slot)
+    assert torch.equal(params, torch.full((N,), -0.75))
+    _, params = client.push_pull(2, torch.ones(N))  # a gradient anywhere else goes through the ring
+    assert torch.equal(params, torch.full((N,), -1.75)) and channel.shm.out._written > ring_before
+    client.finish()
+
+
+def test_compressed_and_average_pushes_get_no_slot(make_server, make_client) -> None:
+    for options in ({"compression": "fp16"}, {"consistency": Consistency(mode="average", sync_every=1)}):
+        server = make_server(torch.zeros(N), world_size=1, **options)
+        client = make_client(server, 0)
+        client.connect()
+        assert client._links[0].channel.shm is not None and client._links[0].channel.shm.slot is None
+        assert client.grad_slot() is None
+        client.finish()

@@ -197,3 +197,34 @@ def test_a_held_payload_keeps_its_space_from_the_writer_until_unheld(links) -> N
     assert bytes(view.numpy().tobytes()) == bytes(held_bytes)
     server.into.unhold()
     assert client.out.put(_bytes(int(0.3 * size), 99)) is not None  # its space came free
+
+
+def test_a_slot_carries_only_payloads_written_in_it_and_a_flag_for_a_missing_slot_is_refused() -> None:
+    server, offer = shm.create(256 * 1024, 128 * 1024)
+    client = shm.attach(offer)
+    shm.unlink(server)
+    a, b = socket.socketpair()
+    sender, receiver = Channel(a), Channel(b)
+    sender.shm, receiver.shm = client, server
+    try:
+        in_slot = client.slot.data[:100_000]
+        in_slot.copy_(torch.arange(100_000) % 251)
+        assert client.slot.put(_bytes(100_000, 1), in_place_only=True) is None  # elsewhere: never copied in
+        sender.send(Header(5, 1, 0, 0, 0, 0, 100_000), memoryview(in_slot.numpy()), timeout=5)
+        head = bytes(receiver.recv_header_bytes(deadline_after(5)))
+        assert head[shm.FLAG_OFFSET] == 0 and client.out._written == 0  # through the slot, not the ring
+        view = receiver.recv_in_place(Header(5, 1, 0, 0, 0, 0, 100_000))
+        assert view.data_ptr() == server.slot.data.data_ptr() and torch.equal(view, in_slot)
+        receiver.drop_in_place()
+        flagged = bytearray(Header(5, 1, 0, 0, 0, 0, 100_000).pack())
+        flagged[shm.FLAG_OFFSET] = shm.IN_SLOT
+        receiver.shm = shm.ShmLink(out=server.out, into=server.into, _map=server._map)  # no slot offered
+        a.sendall(bytes(flagged) + shm.DESCRIPTOR.pack(100_000))
+        with pytest.raises(ProtocolError, match="flag 2 names no ring"):
+            receiver.recv_header_bytes(deadline_after(5))
+    finally:
+        sender.shm = receiver.shm = None
+        sender.close()
+        receiver.close()
+        client.close()
+        server.close()
