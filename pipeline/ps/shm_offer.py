@@ -9,6 +9,11 @@ reason why not. The worker maps the segment and says so with SHM_ATTACHED (``{at
 way, so none is left behind, and from then on each end writes large payloads into its ring. A worker on
 another host (or in a container with another /dev/shm) declines and that connection stays on plain TCP.
 
+The offer also holds, where they apply: the size of a gradient slot (uncompressed sync/ssp/async
+pushes: the worker computes its gradient there, ``PSClient.grad_slot``), and in sync mode the shard's
+parameter page (``pipeline.wire.shared_page``: ``page``, ``page_bytes``, ``page_token``). A worker that
+maps the page says ``page: true`` in SHM_ATTACHED, and its PARAMS replies become PARAMS_SHARED headers.
+
 Why the worker asks and the server offers: the server knows the slice the rings must hold and whether
 its own settings allow them (never with ``ps.tls``); a segment reserved for a remote worker would only cost
 /dev/shm memory on the driver, so one is created only for a peer on this host.
@@ -29,8 +34,11 @@ logger = logging.getLogger(__name__)
 
 # Above the slice's own bytes: room for the buffers and sparse frames of a step next to it.
 SLACK_BYTES = 256 * 1024
-# Slices per ring: a worker keeps the PARAMS it trains on where they lie in the ring until the next
-# PARAMS arrives (``Channel.recv_in_place``), so the next one needs room of its own beside it.
+# Slices in the server->worker ring when PARAMS come through it: a worker keeps the PARAMS it trains on
+# where they lie in the ring until the next PARAMS arrives (``Channel.recv_in_place``), so the next one
+# needs room of its own beside it. With the shared parameter page (sync mode) PARAMS never do: one slice
+# is room enough for what else comes back (sparse rows, a worker that could not map the page). Pushes
+# are held only while their request is served, so the worker->server ring holds one slice.
 SLICES_PER_RING = 2
 
 
@@ -48,7 +56,8 @@ class ShmAttached:
 
 @dataclass(frozen=True)
 class ShmOffer:
-    """SHM_OFFER: the offer's JSON (``{"name", "ring_bytes", "token"}``, or ``{"declined": why}``)."""
+    """SHM_OFFER: the offer's JSON (``{"name", "ring_bytes", "reply_ring_bytes", "slot_bytes", "token"}``
+    and the page's keys, or ``{"declined": why}``)."""
 
     step: int
     body: dict[str, Any]
@@ -88,17 +97,19 @@ class ShmRequestHandler:
         if conn.channel.shm is not None or conn.shm_offer is not None:
             raise Refusal("shared memory was already offered on this connection")
         reason = _declined(conn.channel, ctx.shared_memory_bytes)
-        ring = SLICES_PER_RING * 4 * ctx.num_params + SLACK_BYTES
+        page = ctx.params_page_offer()
+        ring = 4 * ctx.num_params + SLACK_BYTES
+        reply = (1 if page else SLICES_PER_RING) * 4 * ctx.num_params + SLACK_BYTES
         # Uncompressed gradient pushes: a slot the worker's autograd writes into (pipeline.wire.shm).
         slot = 4 * ctx.num_params if ctx.policy.mode != "average" and ctx.push_dtypes == {DType.FLOAT32} else 0
-        held = 2 * ring + slot
+        held = ring + reply + slot
         if reason is None and not ctx.reserve_shared_memory(held):
             reason = (f"the shard's ps.shared_memory_mb budget ({ctx.shared_memory_bytes >> 20} MB) is taken by "
                       "other connections' rings")
             logger.info("rank %s stays on TCP: %s", conn.rank, reason)
         elif reason is None:
             try:
-                link, body = shm.create(ring, slot)
+                link, body = shm.create(ring, slot, reply)
             except OSError as exc:
                 ctx.release_shared_memory(held)
                 logger.warning("rank %s: no shared memory for its connection (%s); it stays on TCP: give "
@@ -106,7 +117,7 @@ class ShmRequestHandler:
                 reason = f"/dev/shm could not hold the rings: {exc}"
             else:
                 conn.shm_offer, conn.shm_reserved = link, held
-                return ShmOffer(request.step, {**body, **(ctx.params_page_offer() or {})})
+                return ShmOffer(request.step, {**body, **(page or {})})
         return ShmOffer(request.step, {"declined": reason})
 
 

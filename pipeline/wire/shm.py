@@ -4,8 +4,9 @@ Why: over TCP loopback every large payload is copied twice by the kernel (sender
 socket buffer into the receiver), in socket-buffer-sized pieces with a syscall each. The parameter server
 moves every worker's gradient in and the parameters out, so on one host those copies were most of its CPU
 per step (``bench/ps_bench.py``'s server CPU table). With a ring in ``/dev/shm`` that both ends map, a
-large payload costs one ``memcpy`` by the sender and one by the receiver, and neither holds the GIL while it
-copies. The TCP connection still carries every header, followed by an 8-byte descriptor instead of the
+large payload costs one ``memcpy`` by the sender, and the receiver either copies it out or uses it where
+it lies (``Channel.recv_in_place``, held from the writer meanwhile); a gradient computed in the
+connection's slot (``ShmLink.slot``) is not even copied by the sender. Nobody holds the GIL while copying. The TCP connection still carries every header, followed by an 8-byte descriptor instead of the
 payload, so ordering, deadlines, peer-death detection and authentication stay exactly the socket's.
 NCCL's and oneCCL's intra-node transports take the same route.
 
@@ -205,13 +206,12 @@ class ShmLink:
             pass
 
 
-def _layout(ring_bytes: int, slot_bytes: int = 0) -> tuple[int, int, int, int]:
+def _layout(ring_bytes: int, reply_bytes: int, slot_bytes: int = 0) -> tuple[int, int, int, int]:
     """(client->server ring control offset, server->client ring control offset, gradient slot control
     offset, total size)."""
-    size = _round_up(ring_bytes)
     first = _ALIGN
-    second = first + _CTRL + size
-    third = second + _CTRL + size
+    second = first + _CTRL + _round_up(ring_bytes)
+    third = second + _CTRL + _round_up(reply_bytes)
     return first, second, third, third + (_CTRL + _round_up(slot_bytes) if slot_bytes else 0)
 
 
@@ -261,15 +261,18 @@ def remove_segment(name: str) -> None:
         pass
 
 
-def create(ring_bytes: int, slot_bytes: int = 0) -> tuple[ShmLink, dict[str, Any]]:
-    """The server's side: a new segment with two rings of ``ring_bytes`` each (and a gradient slot of
-    ``slot_bytes``, if not 0), and the offer for the WELCOME. Raises OSError when /dev/shm cannot hold it."""
-    first, second, third, total = _layout(ring_bytes, slot_bytes)
+def create(ring_bytes: int, slot_bytes: int = 0, reply_bytes: Optional[int] = None) -> tuple[ShmLink, dict[str, Any]]:
+    """The server's side: a new segment with a client->server ring of ``ring_bytes``, a server->client
+    ring of ``reply_bytes`` (``ring_bytes`` if None) and a gradient slot of ``slot_bytes`` (none if 0),
+    and the offer for the WELCOME. Raises OSError when /dev/shm cannot hold it."""
+    reply_bytes = ring_bytes if reply_bytes is None else reply_bytes
+    first, second, third, total = _layout(ring_bytes, reply_bytes, slot_bytes)
     segment, name, token = create_segment(total)
-    size, slot = _round_up(ring_bytes), _round_up(slot_bytes)
-    link = ShmLink(out=Ring(segment, second, size), into=Ring(segment, first, size), _map=segment,
+    size, reply, slot = _round_up(ring_bytes), _round_up(reply_bytes), _round_up(slot_bytes)
+    link = ShmLink(out=Ring(segment, second, reply), into=Ring(segment, first, size), _map=segment,
                    path=os.path.join(SHM_DIR, name), slot=Ring(segment, third, slot) if slot else None)
-    return link, {"name": name, "ring_bytes": size, "slot_bytes": slot, "token": token.hex()}
+    return link, {"name": name, "ring_bytes": size, "reply_ring_bytes": reply, "slot_bytes": slot,
+                  "token": token.hex()}
 
 
 def attach(offer: Any) -> ShmLink:
@@ -277,15 +280,16 @@ def attach(offer: Any) -> ShmLink:
     (another host's segment, or a /dev/shm this process does not share) for the caller to decline."""
     if not isinstance(offer, dict):
         raise ValueError("malformed shared-memory offer")
-    size, slot = offer.get("ring_bytes"), offer.get("slot_bytes", 0)
-    for value in (size, slot):
+    size = offer.get("ring_bytes")
+    reply, slot = offer.get("reply_ring_bytes", size), offer.get("slot_bytes", 0)
+    for value in (size, reply, slot):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % _ALIGN:
             raise ValueError("malformed shared-memory offer")
-    if not size:
+    if not size or not reply:
         raise ValueError("malformed shared-memory offer")
-    first, second, third, total = _layout(size, slot)
+    first, second, third, total = _layout(size, reply, slot)
     segment = open_segment(offer.get("name", ""), total, offer.get("token", ""))
-    return ShmLink(out=Ring(segment, first, size), into=Ring(segment, second, size), _map=segment,
+    return ShmLink(out=Ring(segment, first, size), into=Ring(segment, second, reply), _map=segment,
                    slot=Ring(segment, third, slot) if slot else None)
 
 

@@ -83,6 +83,10 @@ def test_a_connected_worker_uses_its_rings_and_tcp_workers_do_not(make_server, m
         channel = client._links[0].channel
         in_page = expect_rings and mode == "sync"  # sync: PARAMS lie in the server's page, never copied
         assert (channel.shm is not None) is expect_rings and (channel.params_page is not None) is in_page
+        if expect_rings:  # the reply ring holds two PARAMS only where PARAMS come through it
+            assert channel.shm.into.size >= (1 if in_page else 2) * 4 * N + shm_offer.SLACK_BYTES
+            assert channel.shm.into.size < (1 if in_page else 2) * 4 * N + shm_offer.SLACK_BYTES + 64
+            assert channel.shm.out.size < 4 * N + shm_offer.SLACK_BYTES + 64  # pushes: one slice
         assert (channel.shm_bytes_sent, channel.shm_bytes_received) == \
             ((4 * N, 0 if in_page else 2 * 4 * N) if expect_rings else (0, 0))  # one push; two PARAMS
         client.finish()
@@ -90,8 +94,8 @@ def test_a_connected_worker_uses_its_rings_and_tcp_workers_do_not(make_server, m
 
 def test_connections_beyond_the_shards_budget_stay_on_tcp_and_a_closed_one_gives_it_back(
         make_server, make_client) -> None:
-    # both rings of one connection, and its gradient slot
-    one_connection = 2 * (shm_offer.SLICES_PER_RING * 4 * N + shm_offer.SLACK_BYTES) + 4 * N
+    # both rings of one connection (sync mode: the server's parameter page, so one slice each), its slot
+    one_connection = 2 * (4 * N + shm_offer.SLACK_BYTES) + 4 * N
     server = make_server(torch.zeros(N), world_size=2, shared_memory_bytes=one_connection + 1000)
     first, second = make_client(server, 0), make_client(server, 1)
     first.connect()
