@@ -57,7 +57,8 @@ class FlatModel:
         total = sum(p.numel() for p in self.parameters)
         self.params = torch.empty(total, dtype=torch.float32)
         # ``grad``: where the gradients are to lie instead, e.g. the connection's slot (PSClient.grad_slot).
-        self.grad = torch.zeros(total, dtype=torch.float32) if grad is None else grad.zero_()
+        fits = grad is not None and grad.numel() == total and grad.dtype == torch.float32
+        self.grad = grad.zero_() if fits else torch.zeros(total, dtype=torch.float32)
         self.offsets: list[tuple[int, int]] = []
         offset = 0
         with torch.no_grad():

@@ -65,6 +65,17 @@ def test_a_replaced_gradient_is_copied_back_into_the_flat_buffer():
     assert flat.intact() and float(flat.grad[:first.numel()].sum()) == 3.0 * first.numel()
 
 
+def test_gradients_lie_in_a_given_buffer_of_the_right_size_and_in_their_own_otherwise():
+    model = build_model(SPEC)
+    total = sum(p.numel() for p in model.parameters())
+    given = torch.full((total,), 7.0)
+    flat = FlatModel(model, grad=given)
+    assert flat.grad.data_ptr() == given.data_ptr() and float(given.abs().sum()) == 0.0  # zeroed
+    assert next(model.parameters()).grad.data_ptr() == given.data_ptr()
+    wrong = torch.zeros(total + 1)
+    assert FlatModel(build_model(SPEC), grad=wrong).grad.data_ptr() != wrong.data_ptr()
+
+
 def test_only_cpu_fp32_models_are_bound():
     assert FlatModel.bindable(build_model(SPEC))
     assert not FlatModel.bindable(build_model(SPEC).double())
