@@ -32,6 +32,7 @@ from pipeline.ps.bucket_rounds import BucketRounds
 from pipeline.ps.compression import Compressor
 from pipeline.ps.opening import Opening, open_shard
 from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo
+from pipeline.ps.shm_offer import page_params
 from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout, deadline_after
 from pipeline.wire.frames import U32_MAX, PeerClosedError
 
@@ -248,17 +249,11 @@ class PSClient(BufferRequests, BucketRounds):
         return min(versions), (in_place[0] if in_place else self._params)
 
     def _params_from_page(self, link: _Link, header: Header, in_place: list[torch.Tensor] | None) -> int:
-        """PARAMS_SHARED: the version lies in the shard's page (pipeline.wire.shared_page); one shard's is
-        taken where it lies, several shards' are copied into their slices of the buffer."""
-        page = link.channel.params_page
-        if page is None or page.numel() != link.size:
-            raise ProtocolError(f"PARAMS_SHARED from shard {link.index}, which offered no shared parameter "
-                                f"page of its {link.size} parameters")
-        link.channel.drop_in_place()
+        """PARAMS_SHARED: one shard's page is taken where it lies, several shards' copied into the buffer."""
+        page = page_params(link.channel, link.size, link.index)
         if in_place is not None:
             in_place.append(page)
         else:
-            assert self._params is not None
             self._params[link.start:link.end].copy_(page)
         return header.step
 
