@@ -104,11 +104,11 @@ class Ring:
         end = start + n
         if end - int(self._consumed[0]) > self.size:
             return None  # the reader still holds that space: inline instead of waiting
-        in_place = bool(n) and self.holds_at(source, offset)
-        if in_place_only and not in_place:
-            return None
-        if not n or in_place:
-            pass  # already where it goes: written there in place (a gradient slot, ``ShmLink.slot``)
+        if in_place_only:  # already where it goes, written there in place (a gradient slot), or nothing
+            if not n or not self.holds_at(source, offset):
+                return None
+        elif not n:
+            pass
         elif source.readonly:
             self._data[offset:offset + n].copy_(torch.frombuffer(bytearray(source), dtype=torch.uint8))
         else:  # torch.frombuffer wants a writable buffer; large payloads are (tensor views)
