@@ -37,7 +37,7 @@ class BucketRounds:
         uncompressed; else None): a gradient computed into it is pushed as a descriptor, with no copy
         (pipeline.wire.shm). Valid for this connection: after a reconnect, pushes from it are copied."""
         links = self._links
-        slot = None if len(links) != 1 or links[0].channel.shm is None else links[0].channel.shm.slot
+        slot = None if len(links) != 1 or links[0].channel.shm is None else links[0].channel.shm.slot_out
         link = links[0] if links else None
         if slot is None or link is None or link.compressor is None or link.compressor.compression != "none" \
                 or slot.size < 4 * link.size:

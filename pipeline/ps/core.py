@@ -59,8 +59,8 @@ class ShardCore:
             raise PSError(f"generation must fit an unsigned 32-bit field, got {generation}")
         self.cond = threading.Condition(threading.Lock())
         self.step_timeout = settings.step_timeout
-        # shared_page (sync mode, workers on this host): the parameters live in a page local workers map
-        # read-only (pipeline.wire.shared_page), so a PARAMS reply to them is a header, not a copy.
+        # shared_page (sync mode, workers on this host): the parameters live in a sealed page local workers
+        # map copy-on-write (pipeline.wire.shared_page), so a PARAMS reply to them is a header, not a copy.
         self.page = _page_for(initial.numel()) if shared_page else None
         source = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         self.flat = source.clone() if self.page is None else self.page.tensor.copy_(source)

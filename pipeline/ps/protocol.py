@@ -269,9 +269,15 @@ class Channel(_frames.Channel):
     """A wire Channel that validates every header as a PS frame (``max_elements``: the parameter count
     of this connection, 0 before the handshake) and sends and receives PS tensors and JSON."""
 
-    # A worker's read-only fp32 view of the shard's parameters (pipeline.wire.shared_page), mapped at
-    # SHM_OFFER: where a PARAMS_SHARED reply's version lies. None: PARAMS carry their payload.
+    # A worker's copy-on-write view of the shard's parameters (pipeline.wire.shared_page.PageView),
+    # mapped at SHM_OFFER: where a PARAMS_SHARED reply's version lies. None: PARAMS carry their payload.
     params_page: Any = None
+
+    def close(self) -> None:
+        page, self.params_page = self.params_page, None
+        if page is not None:
+            page.close()
+        super().close()
 
     def recv_header(self, deadline: Optional[float], *,
                     tensor_dtypes: frozenset[DType] = DEFAULT_TENSOR_DTYPES) -> Header:

@@ -189,18 +189,21 @@ def request_rings(channel: Channel, *, rank: int, generation: int, deadline: Opt
         if header.type is not MsgType.ACK:
             raise ProtocolError(f"expected the ACK of SHM_ATTACHED, got {header.type.name}")
     except BaseException:
-        if link is not None:
-            link.close()
+        for held in (link, page):
+            if held is not None:
+                held.close()
         raise
     channel.shm, channel.params_page = link, page
 
 
 def page_params(channel: Channel, size: int, shard: int) -> Any:
     """The worker's side of a PARAMS_SHARED reply: the shard's parameter page (``pipeline.wire.shared_page``,
-    a read-only fp32 tensor of ``size`` values) that holds the version the reply names."""
+    an fp32 tensor of ``size`` values) that holds the version the reply names, without this worker's own
+    writes (``PageView.refresh``)."""
     page = channel.params_page
-    if page is None or page.numel() != size:
+    if page is None or page.tensor.numel() != size:
         raise ProtocolError(f"PARAMS_SHARED from shard {shard}, which offered no shared parameter page of its "
                             f"{size} parameters")
     channel.drop_in_place()  # a PARAMS held in the ring before is no longer the one in use
-    return page
+    page.refresh()
+    return page.tensor

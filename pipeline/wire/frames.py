@@ -249,7 +249,7 @@ class Channel:
     def _send_via_ring(self, packed: bytes, body: Buffer, header_length: int) -> bool:
         from pipeline.wire import shm
 
-        slot = self.shm.slot
+        slot = self.shm.slot_out
         end = None if slot is None else slot.put(body, in_place_only=True)  # written there by autograd
         flag = shm.IN_SLOT
         if end is None:
@@ -325,7 +325,7 @@ class Channel:
 
         flag = self._header_buf[shm.FLAG_OFFSET]
         self._header_buf[shm.FLAG_OFFSET] = 0
-        ring = self.shm.into if flag == shm.IN_RING else self.shm.slot if flag == shm.IN_SLOT else None
+        ring = self.shm.into if flag == shm.IN_RING else self.shm.slot_into if flag == shm.IN_SLOT else None
         if ring is None:
             raise ProtocolError(f"shared-memory flag {flag} names no ring of this connection")
         self._recv_exact(memoryview(self._descriptor), deadline, frame_start=False)
@@ -384,8 +384,8 @@ class Channel:
         """The payload ``recv_in_place`` returned is no longer in use: its ring space comes free."""
         if self.shm is not None:
             self.shm.into.unhold()
-            if self.shm.slot is not None:
-                self.shm.slot.unhold()
+            if self.shm.slot_into is not None:
+                self.shm.slot_into.unhold()
 
     def recv_bytes(self, header: Any, deadline: Optional[float]) -> bytes:
         """Read a small (already size-validated) payload into fresh bytes."""

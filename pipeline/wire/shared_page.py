@@ -1,4 +1,4 @@
-"""The parameter server's parameters in one sealed memory page that local workers map read-only
+"""The parameter server's parameters in one sealed memory page that local workers map copy-on-write
 (``ps.shared_memory_mb``; sync mode, ``pipeline.ps.shm_offer``).
 
 Why: with rings (``pipeline.wire.shm``) the server still copies the parameters into every local worker's
@@ -18,9 +18,14 @@ How it is kept safe:
 - The server offers ``/proc/<pid>/fd/<fd>`` only after the mutual handshake, inside the SHM_OFFER; the
   worker opens it read-only, checks its size, and proves it mapped the same memory by the random token at
   the page's start, as for the rings.
-- A worker's view is mapped ``PROT_READ``: a model that wrote its own parameters in place would fault
-  (``pipeline.worker.exchange`` copies instead for the one in-tree module that does: ``nn.Embedding``
-  with ``max_norm``; ``ps.shared_memory_mb: 0`` turns the page off with the rings).
+- A worker's view is a private (copy-on-write) mapping: a model that writes its own parameters in place
+  in forward (a user factory's clamp, ``nn.Embedding`` with ``max_norm``) changes only its own copy of
+  the pages it wrote, never the server's or a peer's. ``PageView.refresh``, at every PARAMS_SHARED,
+  finds such pages in ``/proc/self/pagemap`` (present and no longer the file's) and drops them with
+  ``MADV_DONTNEED``, so they read the server's version again: exactly what a PARAMS copy over private
+  memory does to a worker's own writes. A worker that cannot read its pagemap declines the page.
+  ``pipeline.worker.exchange`` still copies for ``nn.Embedding(max_norm)``, which would write pages
+  every step.
 """
 from __future__ import annotations
 
@@ -40,6 +45,10 @@ _TOKEN = 16
 HEADER = 64  # the token, then the fp32 data from a cache-line boundary
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux >= 5.1; Python names it from 3.13
 _PATH = re.compile(r"/proc/[0-9]{1,10}/fd/[0-9]{1,10}")
+# /proc/<pid>/pagemap, one 64-bit entry per page (Documentation/admin-guide/mm/pagemap.rst): present,
+# swapped, and "file page or shared anonymous". A page of the private view that this process wrote is
+# an anonymous copy: present (or swapped) without the file bit. The flags are readable unprivileged.
+_PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61
 
 
 def supported() -> bool:
@@ -55,7 +64,6 @@ class SharedPage:
     def __init__(self, count: int) -> None:
         import torch
 
-        self.count = count
         self.nbytes = HEADER + 4 * count
         fd = os.memfd_create("shardline-params", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -87,14 +95,57 @@ class SharedPage:
             os.close(fd)
 
 
-def attach(offer: dict[str, Any]) -> Any:
-    """The worker's side: the offered page mapped read-only, as a read-only fp32 tensor (its size is
-    checked against the shard's slice where PARAMS_SHARED is read). Raises OSError or ValueError (another host's or another container's process, a malformed
-    offer, another size or token) for the caller to decline."""
-    import warnings
+class PageView:
+    """The worker's side: the server's page mapped private, its fp32 values as ``tensor``.
 
-    import torch
+    ``refresh`` (at every PARAMS_SHARED) drops the pages this process wrote since the last one, so the
+    tensor holds the server's version again (module docstring)."""
 
+    def __init__(self, mapping: mmap.mmap, count: int) -> None:
+        import torch
+
+        self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)  # first: may fail
+        self._map = mapping
+        self.tensor = torch.frombuffer(mapping, dtype=torch.float32, count=count, offset=HEADER)
+        start = self.tensor.data_ptr() - HEADER  # the mapping's start: page-aligned
+        self._first, self._pages = start // mmap.PAGESIZE, -(-len(mapping) // mmap.PAGESIZE)
+        self.refreshed = 0  # PARAMS_SHARED at which the model had written some of its parameters
+
+    def written_pages(self) -> tuple[int, int] | None:
+        """(first, end) page index within the mapping of what this process wrote, or None."""
+        import numpy as np
+
+        raw = os.pread(self._pagemap, 8 * self._pages, 8 * self._first)
+        entries = np.frombuffer(raw, dtype=np.uint64)
+        written = np.flatnonzero(((entries & np.uint64(_PRESENT | _SWAPPED)) != 0)
+                                 & ((entries & np.uint64(_FILE_PAGE)) == 0))
+        return None if not len(written) else (int(written[0]), int(written[-1]) + 1)
+
+    def refresh(self) -> None:
+        """Drop this process's own writes: the written pages read the server's page again."""
+        written = self.written_pages()
+        if written is None:
+            return
+        first, end = written
+        self._map.madvise(mmap.MADV_DONTNEED, first * mmap.PAGESIZE,
+                          min(end * mmap.PAGESIZE, len(self._map)) - first * mmap.PAGESIZE)
+        if not self.refreshed:
+            logger.info("the model wrote its parameters in place in forward; those writes stay in this "
+                        "worker and are replaced by the server's version at every pull, as over TCP")
+        self.refreshed += 1
+
+    def close(self) -> None:
+        """Close the pagemap; the mapping goes with the last tensor that views it."""
+        if self._pagemap >= 0:
+            os.close(self._pagemap)
+            self._pagemap = -1
+
+
+def attach(offer: dict[str, Any]) -> PageView:
+    """The worker's side: the offered page mapped private (copy-on-write) as a ``PageView`` (its size is
+    checked against the shard's slice where PARAMS_SHARED is read). Raises OSError or ValueError
+    (another host's or another container's process, a malformed offer, another size or token) for the
+    caller to decline."""
     path, size, token = offer.get("page"), offer.get("page_bytes"), offer.get("page_token")
     if not isinstance(path, str) or not _PATH.fullmatch(path) or not isinstance(token, str) \
             or len(token) != 2 * _TOKEN or not isinstance(size, int) or isinstance(size, bool) \
@@ -104,12 +155,15 @@ def attach(offer: dict[str, Any]) -> Any:
     try:
         if os.fstat(fd).st_size != size:
             raise ValueError("the shared parameter page has another size than offered")
-        mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        # Private: the seal refuses a writable shared mapping, and this process's writes stay its own.
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     if mapping[:_TOKEN] != bytes.fromhex(token):
         mapping.close()
         raise ValueError("the shared parameter page holds another token (not the same memory)")
-    with warnings.catch_warnings():  # "not writable": that is the point (see module docstring)
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mapping, dtype=torch.float32, count=(size - HEADER) // 4, offset=HEADER)
+    try:
+        return PageView(mapping, (size - HEADER) // 4)
+    except BaseException:
+        mapping.close()
+        raise

@@ -6,7 +6,8 @@ moves every worker's gradient in and the parameters out, so on one host those co
 per step (``bench/ps_bench.py``'s server CPU table). With a ring in ``/dev/shm`` that both ends map, a
 large payload costs one ``memcpy`` by the sender, and the receiver either copies it out or uses it where
 it lies (``Channel.recv_in_place``, held from the writer meanwhile); a gradient computed in the
-connection's slot (``ShmLink.slot``) is not even copied by the sender. Nobody holds the GIL while copying. The TCP connection still carries every header, followed by an 8-byte descriptor instead of the
+connection's slot (``ShmLink.slot_out``) is not even copied by the sender. Nobody holds the GIL while
+copying. The TCP connection still carries every header, followed by an 8-byte descriptor instead of the
 payload, so ordering, deadlines, peer-death detection and authentication stay exactly the socket's.
 NCCL's and oneCCL's intra-node transports take the same route.
 
@@ -47,7 +48,7 @@ SHM_DIR = "/dev/shm"
 # Smaller payloads go inline: one small send costs less than the ring's bookkeeping.
 MIN_BYTES = 64 * 1024
 # Header byte 6 (the first pad byte of every 48-byte header layout) marks "payload in the ring" (1) or
-# "in the gradient slot" (2, ``ShmLink.slot``); the 8-byte descriptor that follows the header is that
+# "in the gradient slot" (2, ``ShmLink.slot_into``); the 8-byte descriptor that follows the header is that
 # ring's position just past the payload.
 FLAG_OFFSET = 6
 IN_RING, IN_SLOT = 1, 2
@@ -192,14 +193,15 @@ class ShmLink:
     _map: mmap.mmap
     path: str = ""
     # client -> server, when offered: a ring of exactly one gradient that the client's autograd writes
-    # into in place, so its PUSH is only the descriptor (the client writes it, the server reads it).
-    slot: Optional[Ring] = None
+    # into in place, so its PUSH is only the descriptor. One end has it as ``slot_out`` (the client,
+    # which writes it), the other as ``slot_into`` (the server, which reads it).
+    slot_out: Optional[Ring] = None
+    slot_into: Optional[Ring] = None
 
     def close(self) -> None:
-        self.out.drop()
-        self.into.drop()
-        if self.slot is not None:
-            self.slot.drop()
+        for ring in (self.out, self.into, self.slot_out, self.slot_into):
+            if ring is not None:
+                ring.drop()
         try:
             self._map.close()
         except BufferError:  # a tensor view still alive somewhere: the mapping goes with it
@@ -270,7 +272,7 @@ def create(ring_bytes: int, slot_bytes: int = 0, reply_bytes: Optional[int] = No
     segment, name, token = create_segment(total)
     size, reply, slot = _round_up(ring_bytes), _round_up(reply_bytes), _round_up(slot_bytes)
     link = ShmLink(out=Ring(segment, second, reply), into=Ring(segment, first, size), _map=segment,
-                   path=os.path.join(SHM_DIR, name), slot=Ring(segment, third, slot) if slot else None)
+                   path=os.path.join(SHM_DIR, name), slot_into=Ring(segment, third, slot) if slot else None)
     return link, {"name": name, "ring_bytes": size, "reply_ring_bytes": reply, "slot_bytes": slot,
                   "token": token.hex()}
 
@@ -290,7 +292,7 @@ def attach(offer: Any) -> ShmLink:
     first, second, third, total = _layout(size, reply, slot)
     segment = open_segment(offer.get("name", ""), total, offer.get("token", ""))
     return ShmLink(out=Ring(segment, first, size), into=Ring(segment, second, reply), _map=segment,
-                   slot=Ring(segment, third, slot) if slot else None)
+                   slot_out=Ring(segment, third, slot) if slot else None)
 
 
 def unlink(link: ShmLink) -> None:

@@ -70,8 +70,9 @@ class FlatModel:
                 self.offsets.append((offset, offset + n))
                 offset += n
         self._pointers = [p.grad.data_ptr() for p in self.parameters]
-        # A pull that lies elsewhere is bound only when the model never writes its own parameters: it may
-        # be the server's read-only page (pipeline.wire.shared_page), where a write would fault.
+        # A pull that lies elsewhere is bound unless the model writes its own parameters every step
+        # (nn.Embedding max_norm): on the server's page (pipeline.wire.shared_page) each such write
+        # copies a page that the next pull must drop again; a copy of the pull is cheaper then.
         self.binds = not writes_own_parameters(model)
 
     @staticmethod

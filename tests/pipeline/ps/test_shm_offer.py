@@ -212,17 +212,20 @@ def test_a_nan_push_summed_in_place_is_refused_and_the_step_it_spoilt_never_appl
     assert clients[1]._links[0].channel.shm is not None  # it was the ring path
 
 
-def test_sync_params_are_the_servers_own_page_which_no_other_process_can_write(make_server, make_client) -> None:
+def test_sync_params_are_the_servers_own_page_which_no_worker_can_change_for_its_peers(make_server, make_client) -> None:
     init = torch.randn(N, generator=torch.Generator().manual_seed(6))
     server = make_server(init.clone(), world_size=1)
     client = make_client(server, 0)
     client.connect()
     version, first = client.pull(0)
     page = client._links[0].channel.params_page
-    assert version == 0 and first.data_ptr() == page.data_ptr() and torch.equal(first, init)
+    assert version == 0 and first.data_ptr() == page.tensor.data_ptr() and torch.equal(first, init)
+    first[: N // 2].clamp_(-0.1, 0.1)  # a model writing its own parameters in forward: its own copy only
+    assert torch.equal(server.parameters(), init)
     version, second = client.push_pull(0, torch.ones(N))
     assert version == 1 and second.data_ptr() == first.data_ptr()  # the same memory, now holding version 1
     assert torch.equal(second, server.parameters()) and torch.equal(second, init - 1.0)  # sgd, lr 1
+    assert page.refreshed == 1  # the written pages were dropped at the pull
     assert client._links[0].channel.shm_bytes_received == 0  # no PARAMS payload at all
     offer = server._shards[0].params_page_offer()
     fd = os.open(offer["page"], os.O_RDWR)  # the same uid may open it, but the seal refuses every write
@@ -278,7 +281,7 @@ def test_a_gradient_computed_in_the_slot_is_pushed_without_a_copy_and_a_copy_els
     client.pull(0)
     slot = client.grad_slot()
     channel = client._links[0].channel
-    assert slot is not None and slot.numel() == N and channel.shm.slot.data.data_ptr() == slot.data_ptr()
+    assert slot is not None and slot.numel() == N and channel.shm.slot_out.data.data_ptr() == slot.data_ptr()
     slot.fill_(0.25)  # what autograd accumulating into the slot's views leaves there
     ring_before = channel.shm.out._written
     _, params = client.push_pull(0, slot)
@@ -298,6 +301,6 @@ def test_compressed_and_average_pushes_get_no_slot(make_server, make_client) -> 
         server = make_server(torch.zeros(N), world_size=1, **options)
         client = make_client(server, 0)
         client.connect()
-        assert client._links[0].channel.shm is not None and client._links[0].channel.shm.slot is None
+        assert client._links[0].channel.shm is not None and client._links[0].channel.shm.slot_out is None
         assert client.grad_slot() is None
         client.finish()

@@ -207,14 +207,14 @@ def test_a_slot_carries_only_payloads_written_in_it_and_a_flag_for_a_missing_slo
     sender, receiver = Channel(a), Channel(b)
     sender.shm, receiver.shm = client, server
     try:
-        in_slot = client.slot.data[:100_000]
+        in_slot = client.slot_out.data[:100_000]
         in_slot.copy_(torch.arange(100_000) % 251)
-        assert client.slot.put(_bytes(100_000, 1), in_place_only=True) is None  # elsewhere: never copied in
+        assert client.slot_out.put(_bytes(100_000, 1), in_place_only=True) is None  # elsewhere: never copied in
         sender.send(Header(5, 1, 0, 0, 0, 0, 100_000), memoryview(in_slot.numpy()), timeout=5)
         head = bytes(receiver.recv_header_bytes(deadline_after(5)))
         assert head[shm.FLAG_OFFSET] == 0 and client.out._written == 0  # through the slot, not the ring
         view = receiver.recv_in_place(Header(5, 1, 0, 0, 0, 0, 100_000))
-        assert view.data_ptr() == server.slot.data.data_ptr() and torch.equal(view, in_slot)
+        assert view.data_ptr() == server.slot_into.data.data_ptr() and torch.equal(view, in_slot)
         receiver.drop_in_place()
         flagged = bytearray(Header(5, 1, 0, 0, 0, 0, 100_000).pack())
         flagged[shm.FLAG_OFFSET] = shm.IN_SLOT
