@@ -23,7 +23,8 @@ How it is kept safe:
   the pages it wrote, never the server's or a peer's. ``PageView.refresh``, at every PARAMS_SHARED,
   finds such pages in ``/proc/self/pagemap`` (present and no longer the file's) and drops them with
   ``MADV_DONTNEED``, so they read the server's version again: exactly what a PARAMS copy over private
-  memory does to a worker's own writes. A worker that cannot read its pagemap declines the page.
+  memory does to a worker's own writes. A worker that cannot read its pagemap, or whose pagemap does not
+  tell a written page apart (checked once at attach), declines the page.
   ``pipeline.worker.exchange`` still copies for ``nn.Embedding(max_norm)``, which would write pages
   every step.
 """
@@ -110,6 +111,22 @@ class PageView:
         start = self.tensor.data_ptr() - HEADER  # the mapping's start: page-aligned
         self._first, self._pages = start // mmap.PAGESIZE, -(-len(mapping) // mmap.PAGESIZE)
         self.refreshed = 0  # PARAMS_SHARED at which the model had written some of its parameters
+        self._check_pagemap()
+
+    def _check_pagemap(self) -> None:
+        # A kernel that hid the pagemap flags would make every write look unwritten: the worker would then
+        # keep its own copy of such a page and never see the server's updates to it. Prove the flags once
+        # on the token's page (rewriting a byte with itself copies the page) and decline the page if not.
+        self._map[0] = self._map[0]
+        problem = None if self.written_pages() == (0, 1) else \
+            "/proc/self/pagemap does not tell this process's written pages apart"
+        self._map.madvise(mmap.MADV_DONTNEED, 0, mmap.PAGESIZE)
+        if problem is None and self.written_pages() is not None:
+            problem = "MADV_DONTNEED did not drop this process's copy of the shared parameter page"
+        if problem is not None:
+            del self.tensor  # its export of the mapping, so that attach can close it
+            self.close()
+            raise OSError(problem)
 
     def written_pages(self) -> tuple[int, int] | None:
         """(first, end) page index within the mapping of what this process wrote, or None."""

@@ -56,3 +56,14 @@ def test_a_workers_own_writes_stay_in_its_view_until_a_refresh_drops_them() -> N
         mine.close()
         peer.close()
         page.close()
+
+
+@pytest.mark.parametrize("reported", [None, (0, 2)])
+def test_a_pagemap_that_does_not_show_the_workers_writes_makes_it_decline_the_page(monkeypatch, reported) -> None:
+    page = shared_page.SharedPage(2_000)
+    try:
+        monkeypatch.setattr(shared_page.PageView, "written_pages", lambda self: reported)
+        with pytest.raises(OSError, match="pagemap"):
+            shared_page.attach(page.offer())
+    finally:
+        page.close()
