@@ -144,10 +144,11 @@ def shardline_run(spark, cfg, manifest) -> ShardlineRun:
 # -- one process, and N at once ----------------------------------------------------------------------
 def train_one_process(files, row_group_rows, spec_dict: dict, task: str, fields: tuple[str, str], num_features: int,
                       steps: int, epochs: int, seed: int, sgd: tuple[float, float, float], loader: dict,
-                      stop_after: Optional[int] = None):
+                      stop_after: Optional[int] = None, step_s: Optional[list] = None):
     """Plain torch: this process's loader over ``files``, SGD, ``steps`` batches per epoch. Returns
     (model, samples, loop seconds, loop CPU seconds); the loop clock starts after every setup.
-    ``stop_after``: only that many batches (a warm-up)."""
+    ``stop_after``: only that many batches (a warm-up). ``step_s``: a list that gets each step's seconds
+    (its batch's wait included), in order."""
     import torch
 
     from pipeline.data import StreamingLoader
@@ -162,6 +163,7 @@ def train_one_process(files, row_group_rows, spec_dict: dict, task: str, fields:
                            label_field=fields[1], num_features=num_features, row_group_rows=row_group_rows, **loader)
     started, cpu = time.perf_counter(), time.process_time()
     samples = batches = 0
+    last = started
     for epoch in range(epochs):
         for x, y in data.epoch(epoch):
             optimizer.zero_grad(set_to_none=True)
@@ -169,6 +171,10 @@ def train_one_process(files, row_group_rows, spec_dict: dict, task: str, fields:
             optimizer.step()
             samples += len(y)  # not len(x): features may be a structure of several tensors
             batches += 1
+            if step_s is not None:
+                now = time.perf_counter()
+                step_s.append(now - last)
+                last = now
             if batches == stop_after:
                 return model, samples, time.perf_counter() - started, time.process_time() - cpu
     return model, samples, time.perf_counter() - started, time.process_time() - cpu
@@ -193,10 +199,25 @@ class Limit:
     span_s: float
     cpu_s: float  # summed over the processes
     loop_s: list[float]
+    step_s: list[list[float]] = field(default_factory=list)  # per process, each step's seconds in order
 
     @property
     def rate(self) -> float:
         return self.samples / max(self.span_s, 1e-9)
+
+    @property
+    def lockstep(self) -> Optional[float]:
+        """What fraction of this rate N ranks in lockstep could keep on the same per-step times: the sum
+        of each step's mean over the processes ÷ the sum of each step's slowest (the i-th steps of the
+        processes paired). A synchronous backend (sync PS, allreduce) waits for the slowest rank at
+        every step, so on a box whose step times jitter it stays below the limit by this much even with
+        free communication. It pairs steps that ran independently, so it estimates, not measures, that
+        cost. None for one process or without step times."""
+        if len(self.step_s) < 2 or not all(self.step_s):
+            return None
+        steps = list(zip(*self.step_s))  # up to the shortest process's steps
+        slowest = sum(max(times) for times in steps)
+        return sum(sum(times) / len(times) for times in steps) / slowest if slowest > 0 else None
 
 
 def independent_trainers(args_by_process: list[dict], threads: int = 1, timeout_s: float = 1800.0) -> Limit:
@@ -226,7 +247,8 @@ def independent_trainers(args_by_process: list[dict], threads: int = 1, timeout_
                 proc.kill()
     return Limit(processes=len(procs), samples=sum(o["samples"] for o in outs),
                  span_s=max(o["end"] for o in outs) - min(o["start"] for o in outs),
-                 cpu_s=sum(o["cpu"] for o in outs), loop_s=[o["loop"] for o in outs])
+                 cpu_s=sum(o["cpu"] for o in outs), loop_s=[o["loop"] for o in outs],
+                 step_s=[o["step_s"] for o in outs])
 
 
 def _trainer_main(threads: int) -> None:
@@ -242,6 +264,8 @@ def _trainer_main(threads: int) -> None:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    _, samples, loop, cpu = train_one_process(**args)
+    step_s: list[float] = []
+    _, samples, loop, cpu = train_one_process(**args, step_s=step_s)
     end = time.time()  # the loop's start is end - loop: the model and loader setup stay out of the span
-    print(json.dumps({"samples": samples, "start": end - loop, "end": end, "loop": loop, "cpu": cpu}), flush=True)
+    print(json.dumps({"samples": samples, "start": end - loop, "end": end, "loop": loop, "cpu": cpu,
+                      "step_s": step_s}), flush=True)

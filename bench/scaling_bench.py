@@ -13,6 +13,10 @@ count N (always 1, plus --workers; `--workers 4 8` where there are the cores):
                    same loader, model, per-worker batch and steps on shard r of the N-shard set, 1 torch
                    thread each), set up first and released together: what N cores deliver with no
                    communication at all. N=1 is "one process".
+  lockstep bound   (N > 1) the limit's rate × (each step's mean over its processes ÷ its slowest, summed
+                   over the steps, the i-th steps paired): what a synchronous backend (sync PS,
+                   allreduce) could keep of the limit with free communication, waiting each step for the
+                   slowest rank on this box's step-time jitter (``Limit.lockstep``; an estimate).
   shardline <b>    `pipeline.launch.train` with N barrier tasks (N=1: a one-task barrier run),
                    train.backend ps (ps.mode=sync) and allreduce (optional: ps-overlap, ps.overlap=true;
                    ps-processes, ps.shards=2 in two shard processes).
@@ -21,7 +25,9 @@ Each worker count is measured in --repeats rounds (default 3), each round the li
 back to back; the table shows medians over the rounds. Columns: train() samples/s = train rows x epochs /
 the train() call's wall (launch included); loop samples/s = samples / the epochs' own clocks (the
 limit's: first start to last end); then loop samples/s ÷ the limit at the same N (the median over rounds
-of each round's ratio to that round's limit), ÷ one process, scaling efficiency (÷ N x one process), and CPU ms per 1,000
+of each round's ratio to that round's limit), ÷ one process (likewise per round: a round with N > 1 also
+runs one process alone, on shard 0 for the same steps, right after its limit), scaling efficiency (÷ N x one
+process), and CPU ms per 1,000
 samples (every worker process's CPU in the loop: steadier than wall on a shared box; the ps rows leave
 out the driver's parameter server).
 """
@@ -67,12 +73,19 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
             # --repeats rounds, each the limit then every backend back to back: each backend's ratio is
             # the median over rounds of its rate ÷ the same round's limit (a 2-core box drifts between
             # rounds more than within one).
-            limits, runs = [], {b: [] for b in args.backends}
+            # ÷ one process likewise: each round with N > 1 also runs one process alone (shard 0, the same
+            # steps) right after its limit, since the N=1 rounds ran minutes earlier on a box that drifts.
+            limits, solos, runs = [], [], {b: [] for b in args.backends}
             for rep in range(args.repeats):
                 limit = independent_trainers([trainer_args(manifest, spec, cfg, steps, r) for r in range(n)])
                 limits.append(limit)
+                solos.append(limit if n == 1 else independent_trainers([trainer_args(manifest, spec, cfg, steps, 0)]))
+                if n > 1:
+                    lines(f"{model} x{n} round {rep + 1} one process alone: {solos[-1].samples} samples, "
+                          f"{solos[-1].rate:,.0f} samples/s")
+                lockstep = "" if limit.lockstep is None else f", lockstep bound {limit.lockstep:.3f}"
                 lines(f"{model} x{n} round {rep + 1} limit: {limit.samples} samples, span {limit.span_s:.2f}s, "
-                      f"per process loop {[round(t, 2) for t in limit.loop_s]}s, {limit.cpu_s:.1f} CPU s")
+                      f"per process loop {[round(t, 2) for t in limit.loop_s]}s, {limit.cpu_s:.1f} CPU s{lockstep}")
                 for backend in args.backends:
                     label = f"shardline {backend}"
                     try:
@@ -81,7 +94,7 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
                         traceback.print_exc()
                         lines(f"{model} x{n} round {rep + 1} {label}: {type(exc).__name__}: {exc}"[:300])
                         continue
-                    runs[backend].append((run, limit))
+                    runs[backend].append((run, limit, solos[-1]))
                     lines(f"{model} x{n} round {rep + 1} {label}: {run.steps} steps, {run.samples} samples; train() "
                           f"{run.wall_s:.1f}s, slowest run() {run.run_s:.1f}s, loop {run.loop_s:.1f}s, "
                           f"{run.cpu_s:.1f} CPU s; ÷ this round's limit {run.samples / max(run.loop_s, 1e-9) / limit.rate:.2f}")
@@ -89,8 +102,14 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
             one = limit_rate if n == 1 else one
             base = {"model": model, "n": n, "one": one, "limit": limit_rate}
             rows.append({**base, "what": "limit (independent)", "samples": limits[0].samples, "wall_rate": "-",
-                         "loop_rate": limit_rate,
+                         "loop_rate": limit_rate, "per_one": statistics.median(x.rate / o.rate for x, o in zip(limits, solos)),
                          "ratio": 1.0, "cpu_per_k": statistics.median(1e6 * x.cpu_s / max(x.samples, 1) for x in limits)})
+            bounds = [(x, o) for x, o in zip(limits, solos) if x.lockstep is not None]
+            if bounds:  # N > 1
+                rows.append({**base, "what": "lockstep bound", "samples": limits[0].samples, "wall_rate": "-",
+                             "loop_rate": statistics.median(x.rate * x.lockstep for x, _ in bounds),
+                             "per_one": statistics.median(x.rate * x.lockstep / o.rate for x, o in bounds),
+                             "ratio": statistics.median(x.lockstep for x, _ in bounds), "cpu_per_k": "-"})
             for backend in args.backends:
                 label, done = f"shardline {backend}", runs[backend]
                 if not done:
@@ -98,13 +117,14 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
                                  "ratio": None,
                                  "cpu_per_k": "-"})
                     continue
-                rate = statistics.median(r.samples / max(r.loop_s, 1e-9) for r, _ in done)
+                rate = statistics.median(r.samples / max(r.loop_s, 1e-9) for r, _, _ in done)
                 rows.append({**base, "what": label, "samples": done[0][0].samples,
-                             "wall_rate": statistics.median(r.samples / r.wall_s for r, _ in done),
+                             "wall_rate": statistics.median(r.samples / r.wall_s for r, _, _ in done),
                              "loop_rate": rate,
-                             "ratio": statistics.median(r.samples / max(r.loop_s, 1e-9) / lim.rate for r, lim in done),
-                             "cpu_per_k": statistics.median(1e6 * r.cpu_s / max(r.samples, 1) for r, _ in done)
-                             if all(r.cpu_s for r, _ in done) else "-"})
+                             "ratio": statistics.median(r.samples / max(r.loop_s, 1e-9) / lim.rate for r, lim, _ in done),
+                             "per_one": statistics.median(r.samples / max(r.loop_s, 1e-9) / o.rate for r, _, o in done),
+                             "cpu_per_k": statistics.median(1e6 * r.cpu_s / max(r.samples, 1) for r, _, _ in done)
+                             if all(r.cpu_s for r, _, _ in done) else "-"})
     return rows
 
 
@@ -113,7 +133,9 @@ def table(rows: list[dict]) -> str:
             f"{'÷ limit':>7} | {'÷ 1 process':>11} | {'efficiency':>10} | {'CPU ms/1k samples':>17}")
     out = [head, "-" * len(head)]
     for r in rows:
-        per_one = r["loop_rate"] / r["one"] if isinstance(r["loop_rate"], float) and r["one"] else None
+        per_one = r.get("per_one")  # the median of per-round ratios, where the rounds ran one process
+        if per_one is None:
+            per_one = r["loop_rate"] / r["one"] if isinstance(r["loop_rate"], float) and r["one"] else None
         out.append(f"{r['model']:<6} | {r['n']:>2} | {r['what']:<20} | {fmt(r['wall_rate'], ',.0f'):>17} | "
                    f"{fmt(r['loop_rate'], ',.0f'):>14} | {fmt(r['ratio'], '.2f') if r['ratio'] else '-':>7} | "
                    f"{fmt(per_one, '.2f') if per_one else '-':>11} | "
