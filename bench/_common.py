@@ -128,6 +128,11 @@ class ShardlineRun:
     steps: int
     result: object = field(repr=False, default=None)
 
+    @property
+    def rate(self) -> float:
+        """Loop samples/s: the samples over the epochs' own clock."""
+        return self.samples / max(self.loop_s, 1e-9)
+
 
 def shardline_run(spark, cfg, manifest) -> ShardlineRun:
     from pipeline.launch import train

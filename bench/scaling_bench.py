@@ -61,7 +61,6 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
 
     rows: list[dict] = []
     for model in args.models:
-        one = None
         for n in counts:
             overrides = base_overrides(f"{args.workdir}/w{n}", "scalingbench", args.rows, args.features,
                                        MODELS[model], args.batch_size, args.epochs, n, args.master)
@@ -79,13 +78,13 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
             for rep in range(args.repeats):
                 limit = independent_trainers([trainer_args(manifest, spec, cfg, steps, r) for r in range(n)])
                 limits.append(limit)
+                lockstep = "" if limit.lockstep is None else f", lockstep bound {limit.lockstep:.3f}"
+                lines(f"{model} x{n} round {rep + 1} limit: {limit.samples} samples, span {limit.span_s:.2f}s, "
+                      f"per process loop {[round(t, 2) for t in limit.loop_s]}s, {limit.cpu_s:.1f} CPU s{lockstep}")
                 solos.append(limit if n == 1 else independent_trainers([trainer_args(manifest, spec, cfg, steps, 0)]))
                 if n > 1:
                     lines(f"{model} x{n} round {rep + 1} one process alone: {solos[-1].samples} samples, "
                           f"{solos[-1].rate:,.0f} samples/s")
-                lockstep = "" if limit.lockstep is None else f", lockstep bound {limit.lockstep:.3f}"
-                lines(f"{model} x{n} round {rep + 1} limit: {limit.samples} samples, span {limit.span_s:.2f}s, "
-                      f"per process loop {[round(t, 2) for t in limit.loop_s]}s, {limit.cpu_s:.1f} CPU s{lockstep}")
                 for backend in args.backends:
                     label = f"shardline {backend}"
                     try:
@@ -97,10 +96,9 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
                     runs[backend].append((run, limit, solos[-1]))
                     lines(f"{model} x{n} round {rep + 1} {label}: {run.steps} steps, {run.samples} samples; train() "
                           f"{run.wall_s:.1f}s, slowest run() {run.run_s:.1f}s, loop {run.loop_s:.1f}s, "
-                          f"{run.cpu_s:.1f} CPU s; ÷ this round's limit {run.samples / max(run.loop_s, 1e-9) / limit.rate:.2f}")
+                          f"{run.cpu_s:.1f} CPU s; ÷ this round's limit {run.rate / limit.rate:.2f}")
             limit_rate = statistics.median(x.rate for x in limits)
-            one = limit_rate if n == 1 else one
-            base = {"model": model, "n": n, "one": one, "limit": limit_rate}
+            base = {"model": model, "n": n, "limit": limit_rate}
             rows.append({**base, "what": "limit (independent)", "samples": limits[0].samples, "wall_rate": "-",
                          "loop_rate": limit_rate, "per_one": statistics.median(x.rate / o.rate for x, o in zip(limits, solos)),
                          "ratio": 1.0, "cpu_per_k": statistics.median(1e6 * x.cpu_s / max(x.samples, 1) for x in limits)})
@@ -117,12 +115,11 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
                                  "ratio": None,
                                  "cpu_per_k": "-"})
                     continue
-                rate = statistics.median(r.samples / max(r.loop_s, 1e-9) for r, _, _ in done)
                 rows.append({**base, "what": label, "samples": done[0][0].samples,
                              "wall_rate": statistics.median(r.samples / r.wall_s for r, _, _ in done),
-                             "loop_rate": rate,
-                             "ratio": statistics.median(r.samples / max(r.loop_s, 1e-9) / lim.rate for r, lim, _ in done),
-                             "per_one": statistics.median(r.samples / max(r.loop_s, 1e-9) / o.rate for r, _, o in done),
+                             "loop_rate": statistics.median(r.rate for r, _, _ in done),
+                             "ratio": statistics.median(r.rate / lim.rate for r, lim, _ in done),
+                             "per_one": statistics.median(r.rate / o.rate for r, _, o in done),
                              "cpu_per_k": statistics.median(1e6 * r.cpu_s / max(r.samples, 1) for r, _, _ in done)
                              if all(r.cpu_s for r, _, _ in done) else "-"})
     return rows
@@ -133,9 +130,7 @@ def table(rows: list[dict]) -> str:
             f"{'÷ limit':>7} | {'÷ 1 process':>11} | {'efficiency':>10} | {'CPU ms/1k samples':>17}")
     out = [head, "-" * len(head)]
     for r in rows:
-        per_one = r.get("per_one")  # the median of per-round ratios, where the rounds ran one process
-        if per_one is None:
-            per_one = r["loop_rate"] / r["one"] if isinstance(r["loop_rate"], float) and r["one"] else None
+        per_one = r.get("per_one")  # the median of per-round ratios (none for a backend that failed)
         out.append(f"{r['model']:<6} | {r['n']:>2} | {r['what']:<20} | {fmt(r['wall_rate'], ',.0f'):>17} | "
                    f"{fmt(r['loop_rate'], ',.0f'):>14} | {fmt(r['ratio'], '.2f') if r['ratio'] else '-':>7} | "
                    f"{fmt(per_one, '.2f') if per_one else '-':>11} | "

@@ -11,16 +11,17 @@ def bench(load_bench):
 
 
 def test_the_table_prints_each_rate_against_the_limit_and_one_process(bench):
-    rows = [{"model": "comm", "n": 1, "one": 1000.0, "what": "limit (independent)", "samples": 10, "wall_rate": "-",
-             "loop_rate": 1000.0, "limit": 1000.0, "ratio": 1.0, "cpu_per_k": 2.0},
-            {"model": "comm", "n": 2, "one": 1000.0, "what": "limit (independent)", "samples": 10, "wall_rate": "-",
-             "loop_rate": 1800.0, "limit": 1800.0, "ratio": 1.0, "cpu_per_k": 2.0},
-            {"model": "comm", "n": 2, "one": 1000.0, "what": "shardline allreduce", "samples": 10,
-             "wall_rate": 900.0, "loop_rate": 1440.0, "limit": 1800.0, "ratio": 0.8, "cpu_per_k": 2.5},
-            {"model": "comm", "n": 2, "one": 1000.0, "what": "shardline ps", "samples": 0, "wall_rate": "error",
+    # per_one: the median over rounds of each rate ÷ that round's one process (measure() computes it)
+    rows = [{"model": "comm", "n": 1, "what": "limit (independent)", "samples": 10, "wall_rate": "-",
+             "loop_rate": 1000.0, "limit": 1000.0, "ratio": 1.0, "per_one": 1.0, "cpu_per_k": 2.0},
+            {"model": "comm", "n": 2, "what": "limit (independent)", "samples": 10, "wall_rate": "-",
+             "loop_rate": 1800.0, "limit": 1800.0, "ratio": 1.0, "per_one": 1.8, "cpu_per_k": 2.0},
+            {"model": "comm", "n": 2, "what": "shardline allreduce", "samples": 10,
+             "wall_rate": 900.0, "loop_rate": 1440.0, "limit": 1800.0, "ratio": 0.8, "per_one": 1.44, "cpu_per_k": 2.5},
+            {"model": "comm", "n": 2, "what": "shardline ps", "samples": 0, "wall_rate": "error",
              "loop_rate": "error", "limit": 1800.0, "ratio": None, "cpu_per_k": "-"},
-            # the rounds' own one-process runs (per_one) win over the N=1 rows' rate measured earlier
-            {"model": "comm", "n": 2, "one": 1000.0, "what": "shardline ps", "samples": 10, "wall_rate": 900.0,
+            # ÷ one process is the rounds' own ratio, not loop_rate ÷ an earlier one-process rate (1440 / 1000)
+            {"model": "comm", "n": 2, "what": "shardline ps", "samples": 10, "wall_rate": 900.0,
              "loop_rate": 1440.0, "limit": 1800.0, "ratio": 0.8, "per_one": 1.6, "cpu_per_k": 2.5}]
     lines = bench.table(rows).splitlines()
     assert "÷ limit" in lines[0] and "÷ 1 process" in lines[0] and "efficiency" in lines[0]
