@@ -344,9 +344,10 @@ class Channel:
         self._ring_in.take(view)
         self._shm_left -= n
         self.bytes_received += n
-        self.shm_bytes_received += n
         if not self._shm_left:
             self._ring_in.release()
+        # Counted after the release: a reader of the count may then rely on the ring space being free.
+        self.shm_bytes_received += n
 
     def recv_header(self, deadline: Optional[float]) -> Header:
         """Read and validate the next header as a handshake frame; raises PeerClosedError on a clean EOF."""
@@ -376,8 +377,8 @@ class Channel:
         ring.hold()
         self._shm_left = 0
         self.bytes_received += header.length
-        self.shm_bytes_received += header.length
         ring.release()
+        self.shm_bytes_received += header.length
         return view
 
     def drop_in_place(self) -> None:

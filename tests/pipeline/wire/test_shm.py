@@ -102,8 +102,15 @@ def test_an_offer_that_is_not_this_segment_is_declined(links, change) -> None:
         shm.attach(dict(offer, **change))
 
 
-def test_channels_send_large_payloads_through_the_ring_and_small_ones_inline(links) -> None:
+def test_channels_send_large_payloads_through_the_ring_and_small_ones_inline(links, monkeypatch) -> None:
     server, client, _ = links
+    release = server.into.release
+
+    def late_release() -> None:  # a reader descheduled between its last read and the release
+        threading.Event().wait(0.05)
+        release()
+
+    monkeypatch.setattr(server.into, "release", late_release)
     a, b = socket.socketpair()
     sender, receiver = Channel(a), Channel(b)
     sender.shm, receiver.shm = client, server
