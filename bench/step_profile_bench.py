@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/step_profile_bench.py [--rows 40000] [--features 64] [--hidden 128]
         [--batch-size 128] [--epochs 2] [--backends ps-sync ps-async ps-average allreduce]
-        [--workdir /tmp/shardline-profile-bench] [--set ps.bucket_mb=2 ...] [--compare ps.overlap=true ...]
+        [--workdir /tmp/shardline-profile-bench] [--set ps.bucket_mb=2 ...] [--compare ps.overlap=true ...] [--rounds 3]
 
 One local[2] SparkSession (spark.task.cpus=1), 2 workers, synthetic data through the shard ETL once (not
 timed). For each backend, `pipeline.launch.train` with train.profile=true; prints the last epoch's
@@ -61,7 +61,9 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/shardline-profile-bench")
     parser.add_argument("--compare", nargs="+", default=None, metavar="KEY=VALUE",
                         help="instead of the profiling-cost runs: the first backend 3 times as configured and 3 "
-                             "times with these overrides, interleaved, profiled; median breakdown of each")
+                             "times with these overrides, interleaved, profiled; median breakdown of each, the "
+                             "server's reduce / optimizer per update and the driver's CPU per step")
+    parser.add_argument("--rounds", type=int, default=3, help="--compare: runs of each side")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every run, e.g. ps.overlap=true ps.bucket_mb=2")
     args = parser.parse_args()
@@ -132,17 +134,27 @@ def _compare(args, spark, manifest, conf_path: str, base: list[str], name: str) 
     sides = {"as configured": base + ["train.profile=true"],
              " ".join(args.compare): base + ["train.profile=true", *args.compare]}
     rows: dict[str, list[dict]] = {side: [] for side in sides}
-    for _ in range(3):
-        for side, overrides in sides.items():
+    for i in range(args.rounds):
+        # Every other round in reverse (ABBA), so neither side always runs right after the other.
+        for side, overrides in (sides.items() if i % 2 == 0 else reversed(sides.items())):
+            cpu = time.process_time()
             result = train(spark, load(conf_path, overrides), manifest)
-            rows[side].append({**result.history[-1], "slices": result.ps_stats.get("shards", 1)})
-    print(f"\n== {name} A/B, last epoch, median over 3 interleaved runs each (ms per step)")
+            # The driver process's CPU per step: with the PS in it (a threads-only server), the server's
+            # cost, which on a box the workers fill is taken from their cores.
+            driver_ms = 1000.0 * (time.process_time() - cpu) / max(result.steps, 1)
+            rows[side].append({**result.history[-1], "slices": result.ps_stats.get("shards", 1),
+                               "driver_cpu_ms": driver_ms})
+    print(f"\n== {name} A/B, last epoch, median over {args.rounds} interleaved runs each (ms per step)")
     print(f"{'phase':<15}" + "".join(f"{side[:28]:>30}" for side in sides))
     for phase in (*PHASES, "other", "step"):
         key = f"{PREFIX}{phase}_ms"
         print(f"{phase:<15}" + "".join(f"{statistics.median(r[key] for r in rows[side]):>30.3f}" for side in sides))
     print(f"{'step, each run':<15}" + "".join(f"{str([round(r[PREFIX + 'step_ms'], 1) for r in rows[side]]):>30}"
                                             for side in sides))
+    for key, label in (("ps/reduce_ms", "srv reduce"), ("ps/optimizer_ms", "srv optimizer"),
+                       ("driver_cpu_ms", "driver CPU")):
+        if all(key in r for side in sides for r in rows[side]):
+            print(f"{label:<15}" + "".join(f"{statistics.median(r[key] for r in rows[side]):>30.3f}" for side in sides))
     print(f"{'server slices':<15}" + "".join(f"{rows[side][0]['slices']:>30}" for side in sides))
     return 0
 

@@ -330,6 +330,11 @@ class PSConfig(_Section):
     # secret and wire (pipeline/ps/shard_proxy.py): the shards use one core each instead of sharing one GIL.
     # A killed shard process fails the attempt naming it; the retry resumes from the newest checkpoint.
     server_processes: bool = False
+    # OpenMP threads each server thread (or shard process) uses for its sums and optimizer step, set in
+    # those threads only (pipeline/ps/tensor_threads.py); 0: torch's default (OMP_NUM_THREADS, else the
+    # cores). Null: 1 where the workers run on the driver's own cores (a local[...] or local-cluster[...]
+    # master), whose memory-bound passes a second thread would only take from a worker; else 0.
+    server_threads: Optional[int] = Field(None, ge=0, le=1024)
     # Workers on the PS's own host move payloads through shared-memory rings (/dev/shm, pipeline/wire/shm.py),
     # headers still on the authenticated socket: two per connection, each its slice's fp32 bytes + 256 KB;
     # at most this many MB per PS shard together (connections beyond it stay on TCP); 0: TCP. Not with ps.tls.

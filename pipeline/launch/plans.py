@@ -55,7 +55,9 @@ def consistency(cfg: PipelineConfig):
                        staleness_scale=cfg.ps.staleness_scale)
 
 
-def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1, offset: int = 0):
+def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1, offset: int = 0, *, local_workers: bool = False):
+    """The server's settings from ``cfg``; ``local_workers``: the workers share this host's cores (a local
+    master), which sets ps.server_threads' default."""
     from pipeline.ps import PSSettings
 
     from pipeline.ps.staleness import server_optimizer
@@ -66,7 +68,9 @@ def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1, offset: int = 0):
     return PSSettings(optimizer=optimizer, consistency=consistency(cfg), compression=cfg.ps.compression,
                       topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step,
                       bucket_bytes=bucket_bytes(cfg), server_processes=cfg.ps.server_processes,
-                      shared_memory_bytes=int(cfg.ps.shared_memory_mb * (1 << 20)))
+                      shared_memory_bytes=int(cfg.ps.shared_memory_mb * (1 << 20)),
+                      server_threads=(1 if local_workers else 0) if cfg.ps.server_threads is None
+                      else cfg.ps.server_threads)
 
 
 def bucket_bytes(cfg: PipelineConfig) -> int:

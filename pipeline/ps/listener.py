@@ -25,6 +25,7 @@ from pipeline.ps.connection import RankConnection
 from pipeline.ps.messages import AUTH
 from pipeline.ps.protocol import Channel, MsgType
 from pipeline.ps.stats import ShardStats
+from pipeline.ps.tensor_threads import limit_this_thread
 from pipeline.wire.deadline import Timeout, deadline_after
 from pipeline.wire.handshake import HANDSHAKE_S, Claim, Refusal, answer, send_refusal, server_handshake
 from pipeline.wire.pending import PENDING_CAP, PendingSlots
@@ -79,7 +80,7 @@ class ShardListener:
     def __init__(self, host: str, port: int, *, shard_index: int, cond: threading.Condition,
                  stats: ShardStats, max_connections: int, secret: bytes, step_timeout: Timeout,
                  owner: ConnectionHost, pending_connections: int = PENDING_CAP,
-                 tls: Optional[ServerCert] = None) -> None:
+                 tls: Optional[ServerCert] = None, tensor_threads: int = 0) -> None:
         self._host = host
         self._port = port
         self._index = shard_index
@@ -92,6 +93,7 @@ class ShardListener:
         self._secret = secret
         self._timeout = step_timeout
         self._owner = owner
+        self._tensor_threads = tensor_threads  # ps.server_threads, set in each connection thread
         self._closed = False
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
@@ -183,6 +185,8 @@ class ShardListener:
     def _serve_connection(self, channel: Channel, peer: tuple) -> None:
         conn: RankConnection | None = None
         try:
+            # A rank's pushes are summed and stepped on its own connection thread.
+            limit_this_thread(self._tensor_threads)
             try:
                 set_socket_options(channel.sock)
             except OSError:

@@ -13,6 +13,7 @@ from pipeline.errors import PSError
 from pipeline.ps.compression import topk_count, wire_dtype
 from pipeline.ps.modes import Consistency
 from pipeline.ps.optim import OptimizerSpec
+from pipeline.ps.tensor_threads import SERVER_THREADS_KEY
 from pipeline.wire.deadline import STEP_KEY, Timeout
 
 SHARDS_KEY = "ps.shards"
@@ -42,6 +43,9 @@ class PSSettings:
     # ps.shared_memory_mb: the /dev/shm bytes one shard's rings may hold together, for workers on this
     # host (pipeline.wire.shm, pipeline.ps.shm_offer); connections beyond it stay on TCP; 0: TCP only
     shared_memory_bytes: int = 1024 << 20
+    # ps.server_threads: OpenMP threads of each connection thread's tensor math (pipeline.ps.tensor_threads);
+    # 0: torch's default. The launcher resolves the key's null (pipeline.launch.plans.ps_settings).
+    server_threads: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, OptimizerSpec):
@@ -64,6 +68,10 @@ class PSSettings:
         if isinstance(self.shared_memory_bytes, bool) or not isinstance(self.shared_memory_bytes, int) \
                 or self.shared_memory_bytes < 0:
             raise PSError(f"ps.shared_memory_mb must give a budget >= 0 bytes, got {self.shared_memory_bytes!r}")
+        if isinstance(self.server_threads, bool) or not isinstance(self.server_threads, int) \
+                or self.server_threads < 0:
+            raise PSError(f"{SERVER_THREADS_KEY} must be an integer >= 0 (0: torch's default), got "
+                          f"{self.server_threads!r}")
         if not isinstance(self.server_processes, bool):
             raise PSError(f"ps.server_processes must be true or false, got {self.server_processes!r}")
 

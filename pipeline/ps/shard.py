@@ -98,7 +98,8 @@ class ShardServer:
         self._replying = 0  # requests woken by fail()/close() that still have to send their ERROR
         self._listener = ShardListener(host, port, shard_index=shard_index, cond=self._cond, stats=self._stats,
                                        max_connections=2 * world_size + 8, secret=bytes(secret),
-                                       step_timeout=settings.step_timeout, owner=self, tls=tls)
+                                       step_timeout=settings.step_timeout, owner=self, tls=tls,
+                                       tensor_threads=settings.server_threads)
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------

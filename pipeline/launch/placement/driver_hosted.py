@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from pipeline.errors import PSError, WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.attempts import (RetryStart, interrupt, new_tag, raise_for_failed_rows, run_barrier_job,
                                       spark_error_summary)
-from pipeline.launch.placement.ps_address import ps_host
+from pipeline.launch.placement.ps_address import local_master, ps_host
 from pipeline.launch.placement.run import Outcome, TrainingRun
 from pipeline.launch.plans import deadlines, failed_attempt_grace, ps_settings, worker_plans
 from pipeline.launch.retry import StateAfterFailure, Verdict
@@ -63,7 +63,7 @@ class DriverPS:
                  cfg.parallelism.tasks, run.steps_per_epoch, cfg.train.epochs, run.initial.numel(), host)
         self._secret = new_secret()
         self._tls = job_cert(cfg.ps.tls)  # ps.tls: the per-job certificate, shipped with the secret
-        settings = ps_settings(cfg, run.steps_per_epoch, run.step_offset)
+        settings = ps_settings(cfg, run.steps_per_epoch, run.step_offset, local_workers=local_master(run.spark))
         common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress, tls=self._tls)
         try:
             from pipeline.launch.sparse_tables import sparse_store

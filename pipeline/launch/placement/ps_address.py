@@ -96,3 +96,14 @@ def ps_host(spark, cfg) -> str:
     if server is not None:
         return connect_client_host(driver_host, server)
     return driver_host or socket.gethostbyname(socket.gethostname())
+
+
+def local_master(spark) -> bool:
+    """The workers run on this process's own host and cores: a classic session on a ``local[...]`` or
+    ``local-cluster[...]`` master (a Spark Connect client may be elsewhere than its server's executors)."""
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        return False
+    try:
+        return str(spark.sparkContext.master).startswith("local")
+    except Exception:  # noqa: BLE001 - a session without a context: assume a cluster
+        return False

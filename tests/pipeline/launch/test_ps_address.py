@@ -4,7 +4,8 @@ import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.launch.placement.ps_address import (connect_client_host, is_local_address, is_loopback,
-                                                  route_address)
+                                                  local_master, route_address)
+from pipeline.launch.plans import ps_settings
 
 ELSEWHERE = "192.0.2.10"  # TEST-NET-1: never an address of this machine
 SERVER_ELSEWHERE = "198.51.100.20"  # TEST-NET-2
@@ -41,3 +42,29 @@ def test_ps_host_may_not_be_a_wildcard(wildcard):
 
     with pytest.raises(ConfigError, match=r"ps.host: .*would listen on every interface"):
         build({"ps": {"host": wildcard}})
+
+
+class _Session:  # a classic session's surface local_master reads (a real cluster cannot start here)
+    def __init__(self, master=None):
+        self._master = master
+
+    @property
+    def sparkContext(self):
+        if self._master is None:
+            raise RuntimeError("no context")
+        return type("Context", (), {"master": self._master})()
+
+
+def test_workers_share_the_drivers_cores_only_under_a_local_master(spark):
+    assert local_master(spark)  # the tests' local[2] session
+    assert local_master(_Session("local-cluster[2,1,1024]"))
+    assert not local_master(_Session("spark://10.0.0.5:7077")) and not local_master(_Session("yarn"))
+    assert not local_master(_Session())
+
+
+@pytest.mark.parametrize("key, local, threads", [(None, True, 1), (None, False, 0), (0, True, 0), (4, False, 4)])
+def test_ps_server_threads_defaults_to_one_thread_where_the_workers_share_the_cores(key, local, threads):
+    from pipeline.config import build
+
+    cfg = build({"ps": {} if key is None else {"server_threads": key}})
+    assert ps_settings(cfg, local_workers=local).server_threads == threads

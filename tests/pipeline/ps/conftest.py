@@ -29,13 +29,13 @@ def build_server(initial: torch.Tensor, *, world_size: int, secret: bytes, host:
                  on_metrics: Callable[[int, dict], None] | None = None,
                  on_failure: Callable[[WorkerFailure, bool], None] | None = None,
                  buffers: Any = None, tls: Any = None, server_processes: bool = False,
-                 shared_memory_bytes: int | None = None) -> ParameterServer:
+                 shared_memory_bytes: int | None = None, server_threads: int = 1) -> ParameterServer:
     """An (unstarted) server from the flat keywords these tests speak: ``timeout_s`` is the step
     deadline as a bare ``ps.timeout_s`` would give it (``timeouts.step_s`` unset)."""
     settings = PSSettings(optimizer=optimizer or OptimizerSpec(name="sgd", lr=1.0),
                           consistency=consistency or Consistency(), compression=compression,
                           topk_ratio=topk_ratio, shards=shards, step_timeout=Timeout.of(timeout_s, STEP_KEY),
-                          server_processes=server_processes,
+                          server_processes=server_processes, server_threads=server_threads,
                           **({} if shared_memory_bytes is None else {"shared_memory_bytes": shared_memory_bytes}))
     return ParameterServer(initial, settings, world_size=world_size, secret=secret, host=host, port=port,
                            generation=generation, on_metrics=on_metrics, on_failure=on_failure, buffers=buffers,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.errors import AuthenticationError, PSError, PSTimeoutError, WorkerFailure
-from pipeline.ps import OptimizerSpec, ParameterServer, PSClient
+from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, core
 from pipeline.ps.protocol import Channel, Header, MsgType
 from pipeline.wire.deadline import deadline_after
 from pipeline.wire.frames import HEADER_SIZE, MAGIC
@@ -112,6 +112,22 @@ def test_push_pull_round_trip_two_ranks(make_server, make_client) -> None:
     assert stats["pushes_applied"] == 6 and stats["last_step_by_rank"] == {0: 2, 1: 2}
     assert stats["bytes_received"] > 6 * 24 and stats["bytes_sent"] > 8 * 24
     assert stats["rejected_connections"] == 0
+
+
+@pytest.mark.parametrize("threads", [1, 0])
+def test_a_server_steps_with_ps_server_threads(make_server, make_client, monkeypatch, threads) -> None:
+    seen: list[int] = []
+    step = core.ShardCore.optimizer_step
+
+    def recording_step(self, grad_sum, divisor):
+        seen.append(torch.get_num_threads())  # ps.server_threads (pipeline.ps.tensor_threads), in the
+        # server thread that applies the step; the driver's own count stays
+        return step(self, grad_sum, divisor)
+
+    monkeypatch.setattr(core.ShardCore, "optimizer_step", recording_step)
+    server = make_server(world_size=2, server_threads=threads)
+    run_ranks({r: (lambda r=r: train(make_client(server, r), 3, 6)) for r in (0, 1)})
+    assert seen == [threads or torch.get_num_threads()] * 3
 
 
 @pytest.mark.parametrize("spec", [

@@ -14,7 +14,7 @@ from pipeline.wire.deadline import STEP_KEY, Timeout
 def test_defaults_and_the_step_deadline_follows_ps_timeout_s():
     settings = PSSettings(optimizer=OptimizerSpec())
     assert settings.consistency == Consistency() and settings.compression == "none"
-    assert settings.topk_ratio == 0.01 and settings.shards == 1
+    assert settings.topk_ratio == 0.01 and settings.shards == 1 and settings.server_threads == 0
     assert settings.step_timeout == Timeout.of(60.0, STEP_KEY)
     assert settings.step_timeout.hint == "raise timeouts.step_s (unset: it follows ps.timeout_s)"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -30,6 +30,9 @@ def test_defaults_and_the_step_deadline_follows_ps_timeout_s():
     ({"shards": 0}, "ps.shards"),
     ({"shards": 1.5}, "ps.shards"),
     ({"step_timeout": 5.0}, "Timeout"),
+    ({"server_threads": -1}, "ps.server_threads"),
+    ({"server_threads": True}, "ps.server_threads"),
+    ({"server_threads": 1.5}, "ps.server_threads"),
 ])
 def test_invalid_settings_are_refused_naming_the_setting(options, match):
     with pytest.raises(PSError, match=match):
