@@ -6,8 +6,9 @@ lives in the driver (or a Spark Connect client, or a notebook), whose own torch 
 user's code) keeps the process's setting; OpenMP's thread count is a per-thread setting, and ATen's
 parallel loops read the calling thread's. Why it matters: a shard's sums and optimizer step are
 memory-bound passes of a few ms; on a host whose cores the workers fill, splitting them over a second
-OpenMP thread wakes (and, under libgomp's default wait policy, spins) a thread on a worker's core, which
-measured ~1 ms more server CPU per step of a 4.4 MB model on 2 cores (bench/scaling_bench.py).
+OpenMP thread wakes (and, under libgomp's default wait policy, spins) a thread on a worker's core: 0.5-1 ms
+more driver CPU per step of a 4.4 MB model, 2 workers on 2 cores (bench/step_profile_bench.py --compare
+ps.server_threads=0), a step's time the same within the noise.
 """
 from __future__ import annotations
 

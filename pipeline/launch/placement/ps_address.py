@@ -103,7 +103,7 @@ def local_master(spark) -> bool:
     ``local-cluster[...]`` master (a Spark Connect client may be elsewhere than its server's executors)."""
     if type(spark).__module__.startswith("pyspark.sql.connect"):
         return False
-    try:
-        return str(spark.sparkContext.master).startswith("local")
-    except Exception:  # noqa: BLE001 - a session without a context: assume a cluster
+    try:  # the conf, not the SparkContext: launch code stays Connect-clean (test_connect)
+        return str(spark.conf.get("spark.master")).startswith("local")
+    except Exception:  # noqa: BLE001 - a session without the key: assume a cluster
         return False
