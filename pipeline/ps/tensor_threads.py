@@ -26,7 +26,7 @@ _RUNTIMES = ("libgomp", "libomp", "libiomp5")
 
 _lock = threading.Lock()
 _setter: Any = None  # omp_set_num_threads of the runtime torch's parallel loops use, once found
-_candidates: Optional[list] = None  # the runtimes' setters still to try, torch's own first
+_candidates: Optional[list] = None  # the mapped runtimes' setters, torch's own first
 _warned = False
 
 

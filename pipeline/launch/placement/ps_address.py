@@ -72,9 +72,13 @@ def connect_client_host(server_driver_host: Optional[str], server_host: str) -> 
         "ps.placement=task (the PS then runs inside rank 0's task)")
 
 
+def is_connect_session(spark) -> bool:
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
 def connect_server_host(spark, master: str) -> Optional[str]:
     """The Connect server's host for a Spark Connect session, None for a classic one."""
-    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+    if not is_connect_session(spark):
         return None
     client = getattr(spark, "client", None)
     host = getattr(client, "host", None)
@@ -101,7 +105,7 @@ def ps_host(spark, cfg) -> str:
 def local_master(spark) -> bool:
     """The workers run on this process's own host and cores: a classic session on a ``local[...]`` or
     ``local-cluster[...]`` master (a Spark Connect client may be elsewhere than its server's executors)."""
-    if type(spark).__module__.startswith("pyspark.sql.connect"):
+    if is_connect_session(spark):
         return False
     try:  # the conf, not the SparkContext: launch code stays Connect-clean (test_connect)
         return str(spark.conf.get("spark.master")).startswith("local")
