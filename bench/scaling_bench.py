@@ -30,6 +30,16 @@ runs one process alone, on shard 0 for the same steps, right after its limit), s
 process), and CPU ms per 1,000
 samples (every worker process's CPU in the loop: steadier than wall on a shared box; the ps rows leave
 out the driver's parameter server).
+
+Without Spark (the `device` tool's 16-core machine has neither Java nor pyspark):
+
+    python bench/scaling_bench.py --workers 8 --write-shards /tmp/set8        # here, with Spark: the ETL once
+    python bench/scaling_bench.py --launcher processes --shards /tmp/set8 --workers 2 4 8   # there
+
+`--launcher processes` runs the same `train()` with each barrier task a process of its own
+(bench/_process_barrier.py says what that replaces) on a shard set written by the Spark ETL here
+(`--write-shards`, for the largest N), regrouped into N shards of consecutive source shards for each N
+(the same rows; its shard count must be a multiple of every N).
 """
 from __future__ import annotations
 
@@ -51,6 +61,24 @@ BACKENDS = {"ps": ["train.backend=ps", "ps.mode=sync"], "allreduce": ["train.bac
             # the server's reduce and optimizer split over two shard processes (one core each)
             "ps-processes": ["train.backend=ps", "ps.mode=sync", "ps.shards=2", "ps.server_processes=true"]}
 DEFAULT_BACKENDS = ["ps", "allreduce"]
+
+
+def regroup(manifest, n: int):
+    """``manifest`` with its train split's S shards merged into n shards of S/n consecutive source shards
+    (files and rows unchanged), the other splits as they are: an n-worker shard set of the same rows."""
+    import dataclasses
+
+    from pipeline.shards.manifest import Shard, SplitShards
+
+    train = manifest.split("train")
+    per, left = divmod(len(train.shards), n)
+    if left or not per:
+        raise ValueError(f"the shard set at {manifest.root} has {len(train.shards)} train shards, which cannot be "
+                         f"regrouped into {n}: write it for a multiple of every worker count (--write-shards with "
+                         f"--workers {n * max(per, 1)})")
+    shards = tuple(Shard(i, sum(s.rows for s in group), tuple(f for s in group for f in s.files))
+                   for i, group in enumerate(train.shards[j * per:(j + 1) * per] for j in range(n)))
+    return dataclasses.replace(manifest, splits={**manifest.splits, "train": SplitShards(train.rows, shards)})
 
 
 def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict]:
@@ -149,9 +177,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--workdir", default="/tmp/shardline-scaling-bench")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per worker count (medians reported)")
+    parser.add_argument("--launcher", choices=["spark", "processes"], default="spark",
+                        help="processes: each barrier task a process of its own, no Spark (needs --shards)")
+    parser.add_argument("--shards", help="--launcher processes: a shard set written by --write-shards")
+    parser.add_argument("--write-shards", metavar="DIR",
+                        help="only write the data set's shard set for the largest worker count to DIR (Spark ETL)")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.workers):
         parser.error("--workers: each count must be at least 1")
+    if args.launcher == "processes" and not args.shards:
+        parser.error("--launcher processes needs --shards DIR (a set written by --write-shards where Spark runs)")
+    if args.write_shards and args.launcher != "spark":
+        parser.error("--write-shards runs the Spark ETL: leave --launcher at spark")
     args.counts = sorted({1, *args.workers})
     args.master = f"local[{max(2, max(args.counts))}]"
     return args
@@ -170,16 +207,30 @@ def run(spark, args, out=print) -> list[dict]:
     import torch
 
     started = time.perf_counter()
-    manifests = {n: prepare_data(spark, _cfg(args, n, MODELS["small"])) for n in args.counts}  # same rows, N shards
-    env, _ = warm_up(spark, max(args.counts), cold=False)
+    if args.launcher == "processes":
+        from pipeline.shards import load_manifest
+
+        written = load_manifest(args.shards)
+        manifests = {n: regroup(written, n) for n in args.counts}  # same rows, N shards
+        threads = "task processes spawned per run, OMP_NUM_THREADS=1"
+    else:
+        manifests = {n: prepare_data(spark, _cfg(args, n, MODELS["small"])) for n in args.counts}  # same rows
+        env, _ = warm_up(spark, max(args.counts), cold=False)
+        threads = f"Spark Python workers: torch threads {sorted({r['threads'] for r in env})}"
+    warm_runs(spark, args, manifests[max(args.counts)])
     prep_s = time.perf_counter() - started
     notes: list[str] = []
-    rows = measure(spark, args, args.counts, manifests, notes.append)
+
+    def note(line: str) -> None:  # as it happens (a long run shows progress), and again under the table
+        notes.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+    rows = measure(spark, args, args.counts, manifests, note)
     out("")
     out(f"data: {args.rows} rows x {args.features} features, train {manifests[1].split('train').rows} rows; per-worker "
         f"batch {args.batch_size}, {args.epochs} epoch(s); generate + ETL + warm-up {prep_s:.1f}s, not timed")
     out(f"host: {os.cpu_count()} cpus, spark {spark.version} {spark.conf.get('spark.master')}, torch "
-        f"{torch.__version__}; Spark Python workers: torch threads {sorted({r['threads'] for r in env})}")
+        f"{torch.__version__}; {threads}")
     out("")
     out(table(rows))
     out("")
@@ -189,10 +240,43 @@ def run(spark, args, out=print) -> list[dict]:
     return rows
 
 
+def warm_runs(spark, args, manifest) -> None:
+    """Not timed: one small-model run per backend with every task slot the bench will use, as an earlier
+    job of the session would have left its Python workers (Spark reuses them; the process stand-in too):
+    each task process's first training steps pay one-time costs (0.25-0.3 s measured on this box) that a
+    short loop would otherwise count against the first run at each worker count."""
+    from pipeline.config import load
+
+    n = max(args.counts)
+    overrides = base_overrides(f"{args.workdir}/warm", "scalingbench", args.rows, args.features, MODELS["small"],
+                               args.batch_size, 1, n, args.master)
+    for backend in args.backends:
+        shardline_run(spark, load(str(CONF), overrides + BACKENDS[backend]), manifest)
+
+
+def write_shards(spark, args, out=print) -> str:
+    """The Spark ETL of the data set for the largest worker count, copied to ``args.write_shards``."""
+    import shutil
+
+    manifest = prepare_data(spark, _cfg(args, max(args.counts), MODELS["small"]))
+    shutil.copytree(manifest.root, args.write_shards, dirs_exist_ok=True)
+    out(f"wrote {len(manifest.split('train').shards)} train shards ({manifest.split('train').rows} rows) to "
+        f"{args.write_shards}: bench/scaling_bench.py --launcher processes --shards {args.write_shards}")
+    return args.write_shards
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    spark = spark_session(_cfg(args, 1, MODELS["small"]))
+    if args.launcher == "processes":
+        from _process_barrier import ProcessBarrierSession
+
+        spark = ProcessBarrierSession(max(args.counts))
+    else:
+        spark = spark_session(_cfg(args, 1, MODELS["small"]))
     try:
+        if args.write_shards:
+            write_shards(spark, args)
+            return 0
         rows = run(spark, args)
     finally:
         spark.stop()

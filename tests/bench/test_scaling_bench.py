@@ -74,3 +74,62 @@ def test_one_tiny_run_measures_every_row(bench, spark, tmp_path, capsys):
     assert all(isinstance(r["wall_rate"], float) for r in rows if r["what"].startswith("shardline"))
     out = capsys.readouterr().out
     assert "small  |  2 | shardline allreduce" in out and "÷ limit" in out
+
+
+def _manifest(shards: int, rows_each: list[int]):
+    from pipeline.shards.manifest import Manifest, Shard, ShardFile, SplitShards
+
+    train = tuple(Shard(i, rows_each[i], (ShardFile(f"train/part-{i}.parquet", rows_each[i], 10, (rows_each[i],)),))
+                  for i in range(shards))
+    test = SplitShards(5, (Shard(0, 5, (ShardFile("test/part-0.parquet", 5, 10, (5,)),)),))
+    return Manifest(name="t", task="classification", feature_columns=("x",), label_column="y",
+                    label_mapping=("a", "b"), standardized=True, means=(0.0,), stds=(1.0,),
+                    splits={"train": SplitShards(sum(rows_each), train), "test": test}, fingerprint="sha256:0",
+                    root="/data/set8")
+
+
+def test_regroup_merges_consecutive_shards_into_n_of_the_same_rows(bench):
+    written = _manifest(8, [4, 4, 4, 4, 3, 3, 3, 3])
+    four = bench.regroup(written, 4)
+    shards = four.split("train").shards
+    assert [s.index for s in shards] == [0, 1, 2, 3] and [s.rows for s in shards] == [8, 8, 6, 6]
+    assert [f.path for f in shards[1].files] == ["train/part-2.parquet", "train/part-3.parquet"]
+    assert four.split("train").rows == 28 and four.files("train") == written.files("train")
+    assert four.row_group_rows("train", 3) == [[3], [3]]
+    assert four.split("test") == written.split("test") and four.root == written.root
+    assert bench.regroup(written, 8).split("train") == written.split("train")
+    assert len(bench.regroup(written, 1).split("train").shards[0].files) == 8
+    with pytest.raises(ValueError, match=r"8 train shards, which cannot be regrouped into 3.*--workers"):
+        bench.regroup(written, 3)
+    with pytest.raises(ValueError, match="cannot be regrouped into 16"):
+        bench.regroup(written, 16)
+
+
+def test_the_process_launcher_needs_a_written_shard_set(bench):
+    args = bench.parse_args(["--launcher", "processes", "--shards", "/tmp/set8", "--workers", "2", "4", "8"])
+    assert args.counts == [1, 2, 4, 8] and args.shards == "/tmp/set8"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--launcher", "processes"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--launcher", "processes", "--shards", "x", "--write-shards", "y"])
+
+
+@pytest.mark.slow
+def test_the_process_launcher_trains_on_a_set_written_by_spark(bench, load_bench, spark, tmp_path, capsys):
+    written = str(tmp_path / "set2")
+    bench.write_shards(spark, bench.parse_args(["--rows", "3000", "--workers", "2", "--workdir", str(tmp_path / "w"),
+                                                "--write-shards", written]))
+    args = bench.parse_args(["--launcher", "processes", "--shards", written, "--rows", "3000", "--models", "small",
+                             "--batch-size", "32", "--workers", "2", "--workdir", str(tmp_path / "p"), "--repeats", "1"])
+    session = load_bench("_process_barrier").ProcessBarrierSession(2)
+    try:
+        rows = bench.run(session, args)
+    finally:
+        session.stop()
+    assert [(r["n"], r["what"]) for r in rows] == [
+        (1, "limit (independent)"), (1, "shardline ps"), (1, "shardline allreduce"),
+        (2, "limit (independent)"), (2, "lockstep bound"), (2, "shardline ps"), (2, "shardline allreduce")]
+    assert len({r["samples"] for r in rows}) == 1 and rows[0]["samples"] > 0  # every train row once, each N
+    assert all(isinstance(r["loop_rate"], float) and r["loop_rate"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "tasks in reused processes" in out and "small  |  2 | shardline ps" in out
