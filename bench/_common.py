@@ -1,7 +1,7 @@
-"""What the end-to-end benches share (bench/e2e_bench.py, bench/scaling_bench.py): the synthetic data set
-through the shard ETL, the untimed warm-up of the Spark Python workers, a shardline train() row with its
-loop time and CPU seconds, the one-process trainer and N of them at once as separate processes (the
-machine's limit).
+"""What the end-to-end benches share (bench/e2e_bench.py, bench/scaling_bench.py, bench/step_profile_bench.py):
+the synthetic data set through the shard ETL (or a written set regrouped into N shards), the untimed
+warm-up of the Spark Python workers, a shardline train() row with its loop time and CPU seconds, the
+one-process trainer and N of them at once as separate processes (the machine's limit).
 
 Not a package: the benches run as scripts (their folder is on sys.path) and the tests load them by path
 with bench/ on sys.path (tests/bench/conftest.py).
@@ -55,6 +55,24 @@ def prepare_data(spark, cfg):
 
     generate(spark, cfg.data, cfg.workdir)
     return run_etl(spark, cfg)
+
+
+def regroup(manifest, n: int):
+    """``manifest`` with its train split's S shards merged into n shards of S/n consecutive source shards
+    (files and rows unchanged), the other splits as they are: an n-worker shard set of the same rows."""
+    import dataclasses
+
+    from pipeline.shards.manifest import Shard, SplitShards
+
+    train = manifest.split("train")
+    per, left = divmod(len(train.shards), n)
+    if left or not per:
+        raise ValueError(f"the shard set at {manifest.root} has {len(train.shards)} train shards, which cannot be "
+                         f"regrouped into {n}: write it for a multiple of every worker count (--write-shards with "
+                         f"--workers {n * max(per, 1)})")
+    shards = tuple(Shard(i, sum(s.rows for s in group), tuple(f for s in group for f in s.files))
+                   for i, group in enumerate(train.shards[j * per:(j + 1) * per] for j in range(n)))
+    return dataclasses.replace(manifest, splits={**manifest.splits, "train": SplitShards(train.rows, shards)})
 
 
 def _worker_threads(_batches):

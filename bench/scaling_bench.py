@@ -19,7 +19,7 @@ count N (always 1, plus --workers; `--workers 4 8` where there are the cores):
                    slowest rank on this box's step-time jitter (``Limit.lockstep``; an estimate).
   shardline <b>    `pipeline.launch.train` with N barrier tasks (N=1: a one-task barrier run),
                    train.backend ps (ps.mode=sync) and allreduce (optional: ps-overlap, ps.overlap=true;
-                   ps-processes, ps.shards=2 in two shard processes).
+                   ps-processes, ps.shards=--ps-shards (2) in shard processes).
 
 Each worker count is measured in --repeats rounds (default 3), each round the limit and then every backend
 back to back; the table shows medians over the rounds. Columns: train() samples/s = train rows x epochs /
@@ -52,33 +52,19 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (CONF, base_overrides, fmt, independent_trainers, prepare_data, shardline_run,  # noqa: E402
-                     spark_session, trainer_args, warm_up)
+from _common import (CONF, base_overrides, fmt, independent_trainers, prepare_data, regroup,  # noqa: E402, F401
+                     shardline_run, spark_session, trainer_args, warm_up)
 
 MODELS = {"small": [128], "comm": [1024, 1024]}
 BACKENDS = {"ps": ["train.backend=ps", "ps.mode=sync"], "allreduce": ["train.backend=allreduce"],
             "ps-overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true"],
-            # the server's reduce and optimizer split over two shard processes (one core each)
-            "ps-processes": ["train.backend=ps", "ps.mode=sync", "ps.shards=2", "ps.server_processes=true"]}
+            # the server's reduce and optimizer split over --ps-shards shard processes (a core each)
+            "ps-processes": ["train.backend=ps", "ps.mode=sync", "ps.server_processes=true"]}
 DEFAULT_BACKENDS = ["ps", "allreduce"]
 
 
-def regroup(manifest, n: int):
-    """``manifest`` with its train split's S shards merged into n shards of S/n consecutive source shards
-    (files and rows unchanged), the other splits as they are: an n-worker shard set of the same rows."""
-    import dataclasses
-
-    from pipeline.shards.manifest import Shard, SplitShards
-
-    train = manifest.split("train")
-    per, left = divmod(len(train.shards), n)
-    if left or not per:
-        raise ValueError(f"the shard set at {manifest.root} has {len(train.shards)} train shards, which cannot be "
-                         f"regrouped into {n}: write it for a multiple of every worker count (--write-shards with "
-                         f"--workers {n * max(per, 1)})")
-    shards = tuple(Shard(i, sum(s.rows for s in group), tuple(f for s in group for f in s.files))
-                   for i, group in enumerate(train.shards[j * per:(j + 1) * per] for j in range(n)))
-    return dataclasses.replace(manifest, splits={**manifest.splits, "train": SplitShards(train.rows, shards)})
+def backend_overrides(backend: str, args) -> list[str]:
+    return BACKENDS[backend] + ([f"ps.shards={args.ps_shards}"] if backend == "ps-processes" else [])
 
 
 def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict]:
@@ -116,7 +102,8 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
                 for backend in args.backends:
                     label = f"shardline {backend}"
                     try:
-                        run = shardline_run(spark, load(str(CONF), overrides + BACKENDS[backend]), manifest)
+                        cfg_b = load(str(CONF), overrides + backend_overrides(backend, args))
+                        run = shardline_run(spark, cfg_b, manifest)
                     except Exception as exc:  # one failed run must not lose the others
                         traceback.print_exc()
                         lines(f"{model} x{n} round {rep + 1} {label}: {type(exc).__name__}: {exc}"[:300])
@@ -177,6 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--workdir", default="/tmp/shardline-scaling-bench")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per worker count (medians reported)")
+    parser.add_argument("--ps-shards", type=int, default=2, help="the ps-processes backend's shard processes")
     parser.add_argument("--launcher", choices=["spark", "processes"], default="spark",
                         help="processes: each barrier task a process of its own, no Spark (needs --shards)")
     parser.add_argument("--shards", help="--launcher processes: a shard set written by --write-shards")
@@ -251,15 +239,20 @@ def warm_runs(spark, args, manifest) -> None:
     overrides = base_overrides(f"{args.workdir}/warm", "scalingbench", args.rows, args.features, MODELS["small"],
                                args.batch_size, 1, n, args.master)
     for backend in args.backends:
-        shardline_run(spark, load(str(CONF), overrides + BACKENDS[backend]), manifest)
+        shardline_run(spark, load(str(CONF), overrides + backend_overrides(backend, args)), manifest)
 
 
 def write_shards(spark, args, out=print) -> str:
     """The Spark ETL of the data set for the largest worker count, copied to ``args.write_shards``."""
     import shutil
 
+    target = Path(args.write_shards)
+    if target.exists() and any(target.iterdir()) and not (target / "manifest.json").exists():
+        raise SystemExit(f"--write-shards {target}: the folder holds something other than a shard set; name an empty "
+                         "or new folder")
     manifest = prepare_data(spark, _cfg(args, max(args.counts), MODELS["small"]))
-    shutil.copytree(manifest.root, args.write_shards, dirs_exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)  # an earlier set's files must not travel with this one
+    shutil.copytree(manifest.root, target)
     out(f"wrote {len(manifest.split('train').shards)} train shards ({manifest.split('train').rows} rows) to "
         f"{args.write_shards}: bench/scaling_bench.py --launcher processes --shards {args.write_shards}")
     return args.write_shards

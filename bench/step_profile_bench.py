@@ -3,9 +3,11 @@
     .venv/bin/python bench/step_profile_bench.py [--rows 40000] [--features 64] [--hidden 128]
         [--batch-size 128] [--epochs 2] [--backends ps-sync ps-async ps-average allreduce]
         [--workdir /tmp/shardline-profile-bench] [--set ps.bucket_mb=2 ...] [--compare ps.overlap=true ...] [--rounds 3]
+        [--workers 2] [--launcher processes --shards DIR]
 
-One local[2] SparkSession (spark.task.cpus=1), 2 workers, synthetic data through the shard ETL once (not
-timed). For each backend, `pipeline.launch.train` with train.profile=true; prints the last epoch's
+One local[N] SparkSession (spark.task.cpus=1), N workers (--workers, 2), synthetic data through the shard
+ETL once (not timed); or, where there is no Spark (the `device` tool's 16 cores), `--launcher processes
+--shards DIR` on a set written by `scaling_bench.py --write-shards DIR` (bench/_process_barrier.py). For each backend, `pipeline.launch.train` with train.profile=true; prints the last epoch's
 breakdown (mean ms per step over ranks, share of the step; other = the step's time outside the named
 phases), the parts' sum against the step, and the parameter server's own reduce / optimizer /
 slowest-rank wait per update (ps backend). Then the first backend 5 more times, profile off/on/off/on/off:
@@ -66,25 +68,24 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="--compare: runs of each side")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every run, e.g. ps.overlap=true ps.bucket_mb=2")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--launcher", choices=["spark", "processes"], default="spark",
+                        help="processes: each barrier task a process of its own, no Spark (needs --shards)")
+    parser.add_argument("--shards", help="--launcher processes: a set written by scaling_bench.py --write-shards")
     args = parser.parse_args()
+    if args.launcher == "processes" and not args.shards:
+        parser.error("--launcher processes needs --shards DIR (scaling_bench.py --write-shards DIR where Spark runs)")
 
     from pipeline.config import load
-    from pipeline.etl import run_etl
-    from pipeline.etl.synthetic import generate
     from pipeline.launch import train
-    from pipeline.session import get_or_create_spark
     from pipeline.worker.timing import PHASES, PREFIX, table
 
     conf_path = str(REPO / "conf" / "synthetic.yaml")
     base = [f"workdir={args.workdir}", "name=profilebench", f"data.synthetic.rows={args.rows}",
-            f"data.synthetic.features={args.features}", "parallelism.data=2", "spark.master=local[2]",
-            f"model.hidden={list(args.hidden)}", f"train.batch_size={args.batch_size}",
-            f"train.epochs={args.epochs}", "tracking.log_model=false", *args.set]
-    cfg = load(conf_path, base)
-    spark_cfg = cfg.spark.model_copy(update={"conf": {**cfg.spark.conf, "spark.task.cpus": "1"}})
-    spark = get_or_create_spark(spark_cfg)
-    generate(spark, cfg.data, cfg.workdir)
-    manifest = run_etl(spark, cfg)
+            f"data.synthetic.features={args.features}", f"parallelism.data={args.workers}",
+            f"spark.master=local[{args.workers}]", f"model.hidden={list(args.hidden)}",
+            f"train.batch_size={args.batch_size}", f"train.epochs={args.epochs}", "tracking.log_model=false", *args.set]
+    spark, manifest = _session_and_data(args, load(conf_path, base))
 
     profiled: dict[str, float] = {}
     for name in args.backends:
@@ -122,6 +123,29 @@ def main() -> int:
     print(f"timer calls of one step, measured alone: off {_timer_cost_us(False):.2f} us, "
           f"on {_timer_cost_us(True):.2f} us")
     return 0
+
+
+def _session_and_data(args, cfg):
+    """(the session, the shard set): Spark and the ETL, or the process stand-in and the written set."""
+    if args.launcher == "processes":
+        sys.path.insert(0, str(REPO / "bench"))
+        from _common import regroup
+        from _process_barrier import ProcessBarrierSession
+
+        from pipeline.shards import load_manifest
+
+        import atexit
+
+        session = ProcessBarrierSession(args.workers)
+        atexit.register(session.stop)
+        return session, regroup(load_manifest(args.shards), args.workers)
+    from pipeline.etl import run_etl
+    from pipeline.etl.synthetic import generate
+    from pipeline.session import get_or_create_spark
+
+    spark = get_or_create_spark(cfg.spark.model_copy(update={"conf": {**cfg.spark.conf, "spark.task.cpus": "1"}}))
+    generate(spark, cfg.data, cfg.workdir)
+    return spark, run_etl(spark, cfg)
 
 
 def _compare(args, spark, manifest, conf_path: str, base: list[str], name: str) -> int:

@@ -106,8 +106,11 @@ def test_regroup_merges_consecutive_shards_into_n_of_the_same_rows(bench):
 
 
 def test_the_process_launcher_needs_a_written_shard_set(bench):
-    args = bench.parse_args(["--launcher", "processes", "--shards", "/tmp/set8", "--workers", "2", "4", "8"])
+    args = bench.parse_args(["--launcher", "processes", "--shards", "/tmp/set8", "--workers", "2", "4", "8",
+                             "--ps-shards", "4"])
     assert args.counts == [1, 2, 4, 8] and args.shards == "/tmp/set8"
+    assert bench.backend_overrides("ps-processes", args)[-2:] == ["ps.server_processes=true", "ps.shards=4"]
+    assert "ps.shards=4" not in bench.backend_overrides("ps", args)
     with pytest.raises(SystemExit):
         bench.parse_args(["--launcher", "processes"])
     with pytest.raises(SystemExit):
@@ -120,7 +123,8 @@ def test_the_process_launcher_trains_on_a_set_written_by_spark(bench, load_bench
     bench.write_shards(spark, bench.parse_args(["--rows", "3000", "--workers", "2", "--workdir", str(tmp_path / "w"),
                                                 "--write-shards", written]))
     args = bench.parse_args(["--launcher", "processes", "--shards", written, "--rows", "3000", "--models", "small",
-                             "--batch-size", "32", "--workers", "2", "--workdir", str(tmp_path / "p"), "--repeats", "1"])
+                             "--batch-size", "32", "--workers", "2", "--workdir", str(tmp_path / "p"),
+                             "--repeats", "1"])
     session = load_bench("_process_barrier").ProcessBarrierSession(2)
     try:
         rows = bench.run(session, args)
