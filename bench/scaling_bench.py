@@ -141,12 +141,12 @@ def measure(spark, args, counts: list[int], manifests: dict, lines) -> list[dict
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'model':<6} | {'N':>2} | {'':<20} | {'train() samples/s':>17} | {'loop samples/s':>14} | "
+    head = (f"{'model':<6} | {'N':>2} | {'':<22} | {'train() samples/s':>17} | {'loop samples/s':>14} | "
             f"{'÷ limit':>7} | {'÷ 1 process':>11} | {'efficiency':>10} | {'CPU ms/1k samples':>17}")
     out = [head, "-" * len(head)]
     for r in rows:
         per_one = r.get("per_one")  # the median of per-round ratios (none for a backend that failed)
-        out.append(f"{r['model']:<6} | {r['n']:>2} | {r['what']:<20} | {fmt(r['wall_rate'], ',.0f'):>17} | "
+        out.append(f"{r['model']:<6} | {r['n']:>2} | {r['what']:<22} | {fmt(r['wall_rate'], ',.0f'):>17} | "
                    f"{fmt(r['loop_rate'], ',.0f'):>14} | {fmt(r['ratio'], '.2f') if r['ratio'] else '-':>7} | "
                    f"{fmt(per_one, '.2f') if per_one else '-':>11} | "
                    f"{fmt(per_one / r['n'], '.2f') if per_one else '-':>10} | {fmt(r['cpu_per_k'], '.1f'):>17}")
