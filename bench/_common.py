@@ -85,12 +85,11 @@ def _worker_threads(_batches):
                                        "omp": os.environ.get("OMP_NUM_THREADS", "unset"), "pid": os.getpid()}])
 
 
-def _worker_env(_batches):
-    """Warm-up task: import torch and shardline's worker modules in a Spark Python worker (once per
-    session, as any earlier job would have) and report the worker's thread settings."""
+def warm_process() -> None:
+    """This process as an earlier job of the session would have left a task's Python worker: torch and
+    shardline's worker modules imported, torch's first optimizer built."""
     import importlib
 
-    import pyarrow as pa
     import torch
 
     for name in WARM_IMPORTS:
@@ -98,6 +97,15 @@ def _worker_env(_batches):
     # A worker that trained with a local optimizer before (allreduce, ps.mode=average) has imported
     # torch._dynamo, which the first torch.optim construction in a process does (seconds).
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
+def _worker_env(_batches):
+    """Warm-up task: warm a Spark Python worker (once per session, as any earlier job would have) and
+    report the worker's thread settings."""
+    import pyarrow as pa
+    import torch
+
+    warm_process()
     for _ in _batches:  # read the input to its end, or Spark does not reuse this worker
         pass
     yield pa.RecordBatch.from_pylist([{"threads": torch.get_num_threads(),

@@ -37,6 +37,18 @@ GATHER_TIMEOUT_S = 120.0
 _POLL_S = 0.002
 
 
+def add_launcher_options(parser) -> None:
+    """The benches' --launcher/--shards (scaling_bench.py, step_profile_bench.py)."""
+    parser.add_argument("--launcher", choices=["spark", "processes"], default="spark",
+                        help="processes: each barrier task in a task process of its own, no Spark (needs --shards)")
+    parser.add_argument("--shards", help="--launcher processes: a set written by scaling_bench.py --write-shards")
+
+
+def check_launcher_options(parser, args) -> None:
+    if args.launcher == "processes" and not args.shards:
+        parser.error("--launcher processes needs --shards DIR (scaling_bench.py --write-shards DIR where Spark runs)")
+
+
 class TaskProcessError(RuntimeError):
     """A task process failed or died without a result (the stand-in's "Spark job failed")."""
 
@@ -129,12 +141,12 @@ class ProcessBarrierSession:
     def run_job(self, fn, tasks: int) -> list[dict]:
         import cloudpickle  # the standalone package: a payload of pyspark.cloudpickle would need pyspark
 
+        workers = self.workers(tasks)
         self._jobs += 1
         folder = os.path.join(self._folder, f"job-{self._jobs}")
         os.mkdir(folder, 0o700)
         with open(os.path.join(folder, "task.pkl"), "wb") as f:
             cloudpickle.dump(fn, f)
-        workers = self.workers(tasks)
         tag = self._tags[-1] if self._tags else "untagged"
         self._running[tag] = workers
         try:
@@ -251,21 +263,6 @@ class _Context:
         return out
 
 
-def _warm() -> None:
-    """What bench/_common.warm_up does once in Spark's Python workers, which Spark then reuses for every
-    job: shardline's worker modules imported and torch's first optimizer built (it imports torch._dynamo:
-    seconds), so a fresh process starts training as warm as a reused Spark worker."""
-    import importlib
-
-    import torch
-
-    from _common import WARM_IMPORTS
-
-    for name in WARM_IMPORTS:
-        importlib.import_module(name)
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-
-
 def _worker_main() -> None:
     """A task process: warm once, then run each job named on stdin, answering "done" or "failed" on stdout."""
     import pickle
@@ -276,7 +273,10 @@ def _worker_main() -> None:
     answers = os.fdopen(os.dup(1), "w")  # the parent's line; whatever the task prints goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    _warm()
+    # Warm once, as Spark's reused Python workers are after the benches' warm-up job.
+    from _common import warm_process
+
+    warm_process()
     stub = ModuleType("pyspark")  # the task body's `from pyspark import BarrierTaskContext`
     sys.modules["pyspark"] = stub
     for line in sys.stdin:

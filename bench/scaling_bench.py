@@ -52,8 +52,9 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (CONF, base_overrides, fmt, independent_trainers, prepare_data, regroup,  # noqa: E402, F401
+from _common import (CONF, base_overrides, fmt, independent_trainers, prepare_data, regroup,  # noqa: E402
                      shardline_run, spark_session, trainer_args, warm_up)
+from _process_barrier import ProcessBarrierSession, add_launcher_options, check_launcher_options  # noqa: E402
 
 MODELS = {"small": [128], "comm": [1024, 1024]}
 BACKENDS = {"ps": ["train.backend=ps", "ps.mode=sync"], "allreduce": ["train.backend=allreduce"],
@@ -165,16 +166,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", default="/tmp/shardline-scaling-bench")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per worker count (medians reported)")
     parser.add_argument("--ps-shards", type=int, default=2, help="the ps-processes backend's shard processes")
-    parser.add_argument("--launcher", choices=["spark", "processes"], default="spark",
-                        help="processes: each barrier task a process of its own, no Spark (needs --shards)")
-    parser.add_argument("--shards", help="--launcher processes: a shard set written by --write-shards")
+    add_launcher_options(parser)
     parser.add_argument("--write-shards", metavar="DIR",
                         help="only write the data set's shard set for the largest worker count to DIR (Spark ETL)")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.workers):
         parser.error("--workers: each count must be at least 1")
-    if args.launcher == "processes" and not args.shards:
-        parser.error("--launcher processes needs --shards DIR (a set written by --write-shards where Spark runs)")
+    check_launcher_options(parser, args)
     if args.write_shards and args.launcher != "spark":
         parser.error("--write-shards runs the Spark ETL: leave --launcher at spark")
     args.counts = sorted({1, *args.workers})
@@ -200,7 +198,7 @@ def run(spark, args, out=print) -> list[dict]:
 
         written = load_manifest(args.shards)
         manifests = {n: regroup(written, n) for n in args.counts}  # same rows, N shards
-        threads = "task processes spawned per run, OMP_NUM_THREADS=1"
+        threads = "task processes reused between runs, OMP_NUM_THREADS=1"
     else:
         manifests = {n: prepare_data(spark, _cfg(args, n, MODELS["small"])) for n in args.counts}  # same rows
         env, _ = warm_up(spark, max(args.counts), cold=False)
@@ -261,8 +259,6 @@ def write_shards(spark, args, out=print) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.launcher == "processes":
-        from _process_barrier import ProcessBarrierSession
-
         spark = ProcessBarrierSession(max(args.counts))
     else:
         spark = spark_session(_cfg(args, 1, MODELS["small"]))

@@ -7,7 +7,8 @@
 
 One local[N] SparkSession (spark.task.cpus=1), N workers (--workers, 2), synthetic data through the shard
 ETL once (not timed); or, where there is no Spark (the `device` tool's 16 cores), `--launcher processes
---shards DIR` on a set written by `scaling_bench.py --write-shards DIR` (bench/_process_barrier.py). For each backend, `pipeline.launch.train` with train.profile=true; prints the last epoch's
+--shards DIR` on a set written by `scaling_bench.py --write-shards DIR` (bench/_process_barrier.py).
+For each backend, `pipeline.launch.train` with train.profile=true; prints the last epoch's
 breakdown (mean ms per step over ranks, share of the step; other = the step's time outside the named
 phases), the parts' sum against the step, and the parameter server's own reduce / optimizer /
 slowest-rank wait per update (ps backend). Then the first backend 5 more times, profile off/on/off/on/off:
@@ -24,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _process_barrier import ProcessBarrierSession, add_launcher_options, check_launcher_options  # noqa: E402
 
 BACKENDS = {"ps-sync": ["train.backend=ps", "ps.mode=sync"], "ps-async": ["train.backend=ps", "ps.mode=async"],
             "ps-average": ["train.backend=ps", "ps.mode=average"], "allreduce": ["train.backend=allreduce"]}
@@ -69,12 +72,9 @@ def main() -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every run, e.g. ps.overlap=true ps.bucket_mb=2")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--launcher", choices=["spark", "processes"], default="spark",
-                        help="processes: each barrier task a process of its own, no Spark (needs --shards)")
-    parser.add_argument("--shards", help="--launcher processes: a set written by scaling_bench.py --write-shards")
+    add_launcher_options(parser)
     args = parser.parse_args()
-    if args.launcher == "processes" and not args.shards:
-        parser.error("--launcher processes needs --shards DIR (scaling_bench.py --write-shards DIR where Spark runs)")
+    check_launcher_options(parser, args)
 
     from pipeline.config import load
     from pipeline.launch import train
@@ -128,13 +128,11 @@ def main() -> int:
 def _session_and_data(args, cfg):
     """(the session, the shard set): Spark and the ETL, or the process stand-in and the written set."""
     if args.launcher == "processes":
-        sys.path.insert(0, str(REPO / "bench"))
+        import atexit
+
         from _common import regroup
-        from _process_barrier import ProcessBarrierSession
 
         from pipeline.shards import load_manifest
-
-        import atexit
 
         session = ProcessBarrierSession(args.workers)
         atexit.register(session.stop)
