@@ -14,8 +14,11 @@ log = logging.getLogger(__name__)
 
 
 def read_tensors(files: Sequence[str], features_field: str = "features", label_field: str = "label",
-                 num_features: int | None = None, features=None):
-    """Read Parquet shard files into (inputs dict of tensors, labels) — see pipeline.config.feature_spec."""
+                 num_features: int | None = None, features=None, rows: tuple[int, int] | None = None):
+    """Read Parquet shard files into (inputs dict of tensors, labels) — see pipeline.config.feature_spec.
+
+    ``rows=(start, stop)``: only those rows of the files read one after another (each rank's part of the
+    validation split); row groups wholly outside them are not read at all."""
     import numpy as np
     import pyarrow as pa
     import torch
@@ -26,16 +29,29 @@ def read_tensors(files: Sequence[str], features_field: str = "features", label_f
 
     if not files:
         raise DataError("no shard files to read for this rank")
+    start, stop = rows if rows is not None else (0, None)
     parts, labels = [], []
+    offset = 0  # rows of the files before this row group
     for path in files:
+        if stop is not None and offset >= stop:
+            break
         try:
             parquet = open_parquet(path)
         except (pa.ArrowInvalid, OSError) as exc:
             raise shard_read_error(f"cannot read shard file {path}: {exc}; re-run `shardline etl`", exc) from None
         for index in range(parquet.metadata.num_row_groups):
+            count = parquet.metadata.row_group(index).num_rows
+            lo, hi = max(start - offset, 0), count if stop is None else min(stop - offset, count)
+            offset += count
+            if lo >= hi:
+                continue
             x, y = read_row_group(parquet, path, index, features_field, label_field, num_features, features)
+            if (lo, hi) != (0, count):
+                x, y = {key: value[lo:hi] for key, value in x.items()}, y[lo:hi]
             parts.append(x)
             labels.append(y)
+    if not labels:
+        raise DataError(f"rows {start}..{stop} are past the end of {len(files)} shard file(s) of {offset} rows")
     keys = parts[0].keys() if parts else ()
     with warnings.catch_warnings():
         # Arrow buffers are read-only; batches are gathered with index_select (a copy), never written in place.

@@ -102,6 +102,7 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
     The arrow reader gets every train file and reads replica r's part of each epoch's row stream; the
     petastorm reader gets shard r's files (its old per-rank assignment)."""
     from pipeline.data.assignment import StreamPlan
+    from pipeline.worker.validation import part_rows
 
     stream = stream or StreamPlan(manifest.split("train").rows, cfg.parallelism.data, steps)
     per_rank = cfg.data.reader == "petastorm"
@@ -109,6 +110,7 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
     all_groups = tuple(tuple(r) for r in manifest.row_group_rows("train"))
     has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
     validation = tuple(manifest.files("validation")) if has_validation else ()
+    validation_total = manifest.split("validation").rows if has_validation else 0
     stages, faults, waits = cfg.parallelism.pipeline, fault_plan(cfg, attempt), deadlines(cfg)
     optimizer = optimizer_spec(cfg, steps, offset=stream.offset)
     cuts = tuple(cfg.parallelism.cuts) if cfg.parallelism.cuts else None
@@ -126,13 +128,16 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
             grid = StagePlan(stage=stage, stages=stages, replica=replica, replicas=cfg.parallelism.data,
                              micro_batches=cfg.parallelism.micro_batches, cuts=cuts,
                              ps=tuple(stage_addresses[stage]) if stage_addresses else None)
+        # Every replica evaluates its part of the validation split (pipeline.worker.validation); with
+        # pipeline stages no task holds the whole model, so none does.
+        part = part_rows(validation_total, replica, cfg.parallelism.data)
+        evaluates = stages == 1 and part[0] < part[1]
         return WorkerPlan(
             rank=rank, world_size=cfg.parallelism.tasks, generation=generation,
             # Only the first stage reads features and only the last labels; middle stages read nothing.
             train_files=((tuple(rank_files(manifest, replica)) if per_rank else everything)
                          if stage in (0, stages - 1) else ()),
-            # Validation needs the whole model in one task: only without pipeline stages.
-            validation_files=validation if rank == 0 and stages == 1 else (),
+            validation_files=validation if evaluates else (), validation_rows=part if evaluates else None,
             model=spec, features_field=manifest.features_field, label_field=manifest.label_field,
             epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
             optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits,

@@ -195,6 +195,22 @@ def make_loss(spec) -> Callable:
     return lambda output, target: F.mse_loss(*standardized(output, target.float()))
 
 
+def loss_weight(spec) -> Callable:
+    """``weight(target) -> float``: the denominator of ``make_loss(spec)``'s batch mean, so that means over
+    parts weighted by it equal the mean over their union (``pipeline.worker.validation``). A weighted
+    cross entropy divides by the sum of its rows' class weights (torch's weighted mean, label smoothing
+    included); every other loss, the bce with class weights and a ``model.loss`` factory's included, by the
+    row count."""
+    import torch
+
+    loss = LossSpec.from_dict(spec.loss)
+    if spec.task == "classification" and not loss.is_factory and loss.class_weights \
+            and loss.resolved(spec.task) == "cross_entropy":
+        weights = torch.tensor(loss.class_weights, dtype=torch.float64)
+        return lambda target: float(weights[target.cpu()].sum())
+    return lambda target: float(target.shape[0])
+
+
 def _resolve(path: str) -> Callable[..., Any]:
     from pipeline.models.resolve import resolve_callable
 

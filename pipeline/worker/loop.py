@@ -23,19 +23,6 @@ __all__ = ["InjectedFault", "WorkerResult", "make_train_loader", "run_flat"]
 log = logging.getLogger(__name__)
 
 
-def _evaluate(model, loss, features, labels, task: str) -> dict[str, float]:
-    import torch
-
-    model.eval()
-    with torch.no_grad():
-        output = model(features)
-        metrics = {"val_loss": float(loss(output, labels))}
-        if task == "classification":
-            metrics["val_accuracy"] = float((output.argmax(dim=1) == labels).float().mean())
-    model.train()
-    return metrics
-
-
 def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, device: str = "cpu",
              rendezvous=None, log_tail=None, tls=None) -> WorkerResult:
     """Train this rank's share of the run (one whole model replica); raise on any failure.
@@ -51,8 +38,10 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
     faults = FaultHooks(plan.faults, plan.rank, plan.generation)
     with ps_session(plan, ps_host, ps_port, secret, log_tail=log_tail, tls=tls) as (client, info):
         loader = make_train_loader(plan)
+        # This rank's part of the validation split (pipeline.worker.validation); none where it has no rows.
         validation = (read_tensors(plan.validation_files, plan.features_field, plan.label_field,
-                                   plan.num_features, plan.model.feature_set) if plan.validation_files else None)
+                                   plan.num_features, plan.model.feature_set, rows=plan.validation_rows)
+                      if plan.validation_files else None)
         if validation is not None:
             validation = (to_device(validation[0], device), validation[1].to(device))
         model = build_model(plan.model).to(device)
@@ -95,6 +84,9 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
     from pipeline.worker.timing import step_timer
 
     precision = exchange.precision
+    from pipeline.models.losses import loss_weight
+    from pipeline.worker.validation import evaluate_part
+
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
     samples = 0
     last_loss = float("nan")
@@ -165,7 +157,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
                    "seconds": seconds, "cpu_s": cpu_s, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
                    **timer.take(seconds, epoch_steps), **(sparse.take_stats() if sparse is not None else {})}
         if validation is not None:
-            metrics.update(_evaluate(model, loss, validation[0], validation[1], plan.task))
+            metrics.update(evaluate_part(model, loss, loss_weight(plan.model), validation[0], validation[1], plan.task))
         log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,
                 epoch_samples / max(seconds, 1e-9))
         exchange.end_epoch(step)  # buffers to the server, before the report a checkpoint waits for

@@ -100,7 +100,7 @@ class WorkerPlan:
     world_size: int
     generation: int
     train_files: tuple[str, ...]
-    # Only rank 0 evaluates the validation split at the end of each epoch.
+    # The validation split's files (empty: this rank evaluates none of it; see validation_rows).
     validation_files: tuple[str, ...]
     model: ModelSpec
     features_field: str
@@ -123,6 +123,9 @@ class WorkerPlan:
     # Global step = step_offset + epoch * steps_per_epoch + batch (non-zero after a resume on another world
     # size: pipeline.data.assignment.StreamPlan).
     step_offset: int = 0
+    # The rows [start, stop) of validation_files this rank evaluates at the end of each epoch (every rank a
+    # part: pipeline.worker.validation; None: all of them).
+    validation_rows: Optional[tuple[int, int]] = None
 
     def locate(self, step: int) -> tuple[int, int]:
         """(epoch, batch) of global step ``step``."""

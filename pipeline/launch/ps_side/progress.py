@@ -136,11 +136,10 @@ class EpochProgress:
             row[f"stage{stage}/idle_s"] = idle / len(rs)
             row[f"stage{stage}/bubble_fraction"] = idle / (idle + compute) if idle + compute > 0 else 0.0
             row[f"stage{stage}/bytes_sent"] = sum(r["bytes_sent"] for r in rs)
-        for key in ("val_loss", "val_accuracy"):
-            values = [r[key] for r in reports.values() if key in r]
-            if values:
-                row[key] = values[0]
         from pipeline.worker.timing import summarize
+        from pipeline.worker.validation import combine
+
+        row.update(combine(reports.values()))  # val_loss / val_accuracy from every rank's part of the split
 
         row.update(summarize(reports))  # train.profile: the time/* breakdown, averaged over ranks
         return row

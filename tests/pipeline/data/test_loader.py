@@ -35,3 +35,20 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     bad.write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match="bad.parquet"):
         read_tensors([str(bad)])
+
+
+def test_read_tensors_reads_only_the_rows_asked_for(tmp_path):
+    files = []
+    for i, (rows, start) in enumerate(((5, 0), (7, 5), (4, 12))):
+        path = tmp_path / f"{i}.parquet"
+        _shard(path, rows, start=start)
+        table = pq.read_table(path)
+        pq.write_table(table, path, row_group_size=3)  # row groups cut inside and across files
+        files.append(str(path))
+    everything = list(range(16))
+    for start, stop in ((0, 16), (0, 1), (2, 9), (4, 5), (5, 12), (13, 16), (6, 7)):
+        x, y = read_tensors(files, rows=(start, stop))
+        assert y.tolist() == everything[start:stop]
+        assert torch.equal(x["numeric"][:, 0], y.float())
+    with pytest.raises(DataError, match=r"rows 16\.\.20 are past the end of 3 shard file\(s\) of 16 rows"):
+        read_tensors(files, rows=(16, 20))

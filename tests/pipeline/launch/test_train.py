@@ -56,6 +56,27 @@ def test_training_after_a_failure_succeeds_and_runs_planned_steps(spark, shards,
     assert [row["epoch"] for row in result.history] == [0, 1]
     assert result.history[-1]["train_loss"] < result.history[0]["train_loss"]
     assert result.ps_stats["pushes_applied"] == 2 * result.steps
+    # Each rank evaluated half of the validation split; the epoch row is the whole split's, here that of the
+    # final model (sync: every replica ends on the server's last parameters).
+    _assert_last_val_is_the_whole_splits(result, manifest)
+
+
+def _assert_last_val_is_the_whole_splits(result, manifest):
+    import torch
+
+    from pipeline.data import read_tensors
+    from pipeline.models import loss_fn
+
+    model = result.model().eval()
+    x, y = read_tensors(manifest.files("validation"), manifest.features_field, manifest.label_field)
+    assert len(y) == manifest.split("validation").rows > 2  # both ranks had rows to evaluate
+    with torch.no_grad():
+        output = model(x)
+        loss = float(loss_fn(result.spec)(output, y))
+        accuracy = int((output.argmax(dim=1) == y).sum()) / len(y)
+    last = result.history[-1]
+    assert last["val_loss"] == pytest.approx(loss, rel=1e-5)
+    assert last["val_accuracy"] == pytest.approx(accuracy, abs=1e-9)
 
 
 def test_preflight_rejects_more_workers_than_slots(spark, shards):

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from pipeline.errors import PSError
-from pipeline.models import ModelSpec, build_model, flat_parameters
+from pipeline.data import read_tensors
+from pipeline.models import ModelSpec, build_model, flat_parameters, load_flat_parameters, loss_fn
 from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
 from pipeline.ps.modes import Consistency, expected_version
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault
 from pipeline.worker.plan import Deadlines, FaultPlan, LoaderPlan
+from pipeline.worker.validation import combine, part_rows
 
 
 def _settings(optimizer, *, consistency=Consistency(), compression="none", shards=1) -> PSSettings:
@@ -37,9 +39,10 @@ def _shard(path, rows, seed):
 
 def _plans(tmp_path, world=2, epochs=3, steps=8, faults=None):
     spec = ModelSpec(kind="mlp", num_features=4, num_outputs=2, task="classification", hidden=(8,))
+    validation = (_shard(tmp_path / "val.parquet", 32, 99),)
     return spec, [WorkerPlan(rank=r, world_size=world, generation=1,
                              train_files=(_shard(tmp_path / f"s{r}.parquet", 64, r),),
-                             validation_files=(_shard(tmp_path / "val.parquet", 32, 99),) if r == 0 else (),
+                             validation_files=validation, validation_rows=part_rows(32, r, world),
                              model=spec, features_field="features", label_field="label", epochs=epochs,
                              steps_per_epoch=steps, seed=0, loader=LoaderPlan(prefetch=2),
                              deadlines=Deadlines.all(10), faults=faults or FaultPlan())
@@ -76,12 +79,22 @@ def test_two_ranks_train_in_lockstep_and_report_epochs(tmp_path):
         assert errors == {}
         assert server.version == 3 * 8
         assert not torch.equal(server.parameters(), initial)
+        server_parameters = server.parameters()
     assert {r.steps for r in results.values()} == {24}
     assert sum(r.samples for r in results.values()) == 3 * 128
     epochs = sorted((m["epoch"], r) for r, m in reports)
     assert epochs == [(e, r) for e in range(3) for r in (0, 1)]
-    assert all("val_accuracy" in m for r, m in reports if r == 0)
-    assert not any("val_accuracy" in m for r, m in reports if r == 1)
+    # Each rank evaluated its half of the validation split, every epoch; together the whole split.
+    assert [m["val_rows"] for r, m in sorted(reports, key=lambda x: (x[1]["epoch"], x[0]))] == [16] * 6
+    last = [m for r, m in reports if m["epoch"] == 2]
+    model = build_model(spec)
+    load_flat_parameters(model, server_parameters)
+    x, y = read_tensors(plans[0].validation_files)
+    with torch.no_grad():
+        output = model.eval()(x)
+    row = combine(last)
+    assert row["val_loss"] == pytest.approx(float(loss_fn(spec)(output, y)), rel=1e-5)
+    assert row["val_accuracy"] == int((output.argmax(dim=1) == y).sum()) / 32
     losses = [m["train_loss"] for r, m in sorted(reports, key=lambda x: x[1]["epoch"]) if r == 0]
     assert losses[-1] < losses[0]
 
@@ -103,9 +116,9 @@ def test_a_failing_rank_releases_its_peer_with_its_rank_named(tmp_path):
         assert server.version == 2
 
 
-def _train_mode(tmp_path, consistency, *, compression="none", faults=None, epochs=3, shards=1):
+def _train_mode(tmp_path, consistency, *, compression="none", faults=None, epochs=3, shards=1,
+                optimizer=OptimizerSpec(lr=0.1, momentum=0.9)):
     spec, plans = _plans(tmp_path, epochs=epochs, faults=faults)
-    optimizer = OptimizerSpec(lr=0.1, momentum=0.9)
     plans = [dataclasses.replace(p, optimizer=optimizer) for p in plans]
     torch.manual_seed(0)
     initial = flat_parameters(build_model(spec))
@@ -143,7 +156,10 @@ def test_sync_gives_the_parameters_of_single_process_sgd_on_the_global_batches(t
 @pytest.mark.parametrize("mode", ["async", "ssp", "average"])
 def test_every_mode_trains_through_the_same_loop(tmp_path, mode):
     consistency = Consistency(mode, staleness=1, sync_every=3)
-    spec, initial, params, version, stats, reports = _train_mode(tmp_path, consistency)
+    # Momentum 0.5, not 0.9: async applies each rank's gradient alone on parameters up to a step stale, and
+    # with an effective step of lr / (1 - 0.9) = 1.0 about one run in ten ended above its initial loss.
+    spec, initial, params, version, stats, reports = _train_mode(tmp_path, consistency,
+                                                                 optimizer=OptimizerSpec(lr=0.1, momentum=0.5))
     assert version == expected_version(consistency, 3 * 8, 2)
     assert not torch.equal(params, initial)
     assert stats["mode"] == mode

@@ -6,13 +6,17 @@ from pipeline.launch.ps_side.progress import EpochProgress, StepProgress
 def test_epoch_lines_wait_for_every_rank_and_aggregate():
     rows = []
     progress = EpochProgress(world_size=2, epochs=3, on_epoch=rows.append)
-    progress(0, {"epoch": 0, "step": 10, "train_loss": 1.0, "samples": 100, "seconds": 2.0, "val_accuracy": 0.5})
+    # Each rank's part of the validation split as sums (pipeline.worker.validation): the row has the whole's.
+    progress(0, {"epoch": 0, "step": 10, "train_loss": 1.0, "samples": 100, "seconds": 2.0,
+                 "val_loss_sum": 6.0, "val_weight": 10.0, "val_rows": 10, "val_correct": 5})
     assert rows == []
-    progress(1, {"epoch": 0, "step": 10, "train_loss": 3.0, "samples": 300, "seconds": 4.0})
+    progress(1, {"epoch": 0, "step": 10, "train_loss": 3.0, "samples": 300, "seconds": 4.0,
+                 "val_loss_sum": 2.0, "val_weight": 10.0, "val_rows": 10, "val_correct": 9})
     (row,) = rows
     assert row["train_loss"] == (1.0 * 100 + 3.0 * 300) / 400  # sample-weighted
     assert row["samples_per_s"] == 400 / 4.0  # the slowest rank bounds the epoch
-    assert row["val_accuracy"] == 0.5 and progress.history == rows
+    assert row["val_loss"] == 8.0 / 20 and row["val_accuracy"] == 14 / 20 and row["val_rows"] == 20
+    assert progress.history == rows
 
 
 class FakeTTY(io.StringIO):
@@ -75,13 +79,16 @@ def test_an_epoch_a_dead_rank_stepped_past_is_summarized_from_the_ranks_that_rep
     progress = EpochProgress(2, 3, rows.append)
     for rank in (0, 1):
         progress(rank, {"epoch": 0, "step": 4, "train_loss": 1.0, "samples": 40, "seconds": 2.0})
-    progress(0, {"epoch": 1, "step": 8, "train_loss": 0.5, "samples": 40, "seconds": 2.0, "val_accuracy": 0.9})
+    progress(0, {"epoch": 1, "step": 8, "train_loss": 0.5, "samples": 40, "seconds": 2.0,
+                 "val_loss_sum": 3.0, "val_weight": 10.0, "val_rows": 10, "val_correct": 9})
     # Rank 1 pushed epoch 1's last step, then died before reporting; the retry resumes both at step 8.
     missing = unreported_epochs(progress.reports(), {0: 8, 1: 8}, steps_per_epoch=4)
     assert missing == [(1, 1)]
     progress.close_abandoned(missing)
     assert [row["epoch"] for row in rows] == [0, 1] and progress.history == rows
-    assert rows[1]["ranks_reported"] == 1 and rows[1]["val_accuracy"] == 0.9 and rows[1]["train_loss"] == 0.5
+    assert rows[1]["ranks_reported"] == 1 and rows[1]["train_loss"] == 0.5
+    # Only rank 0's part of the validation split: the row says how many rows its figures cover.
+    assert rows[1]["val_accuracy"] == 0.9 and rows[1]["val_rows"] == 10
     progress(1, {"epoch": 1, "step": 8, "train_loss": 0.7, "samples": 40, "seconds": 2.0})  # a late report
     assert len(rows) == 2  # ignored: the epoch is closed
     assert unreported_epochs(progress.reports(), {0: 8, 1: 8}, steps_per_epoch=4) == []
