@@ -23,7 +23,7 @@ import torch
 from pipeline.errors import PSError
 from pipeline.ps.connection import RankConnection
 from pipeline.ps.messages import TIMEOUT, Refusal
-from pipeline.ps.optim import FusedSGD, build_optimizer
+from pipeline.ps.optim import FusedSGD, average_, build_optimizer
 from pipeline.ps.protocol import MsgType
 from pipeline.ps.schedule import attach_schedule, clip_
 from pipeline.ps.settings import PSSettings
@@ -108,15 +108,15 @@ class ShardCore:
             self.cond.notify_all()
 
     def optimizer_step(self, grad_sum: torch.Tensor, divisor: int) -> None:
-        """sync/ssp/async: ``flat.grad = grad_sum / divisor`` and one optimizer step."""
-        if divisor & (divisor - 1) == 0:  # a power of two: x * 2**-k is x / 2**k bit for bit (subnormals
-            if divisor != 1:  # too), and a multiply costs a fraction of a divide on the sync round's tail
-                grad_sum.mul_(1.0 / divisor)
-        else:
-            grad_sum.div_(divisor)
+        """sync/ssp/async: one optimizer step with ``grad_sum / divisor`` (``grad_sum`` is then spent)."""
         self.flat.grad = grad_sum
         if self._schedule is not None:
             self._schedule.at(self.version)  # the rate of applied step `version`, however it got there
+        if self._fused_sgd is not None and self.optimizer_spec.clip_grad_norm is None:
+            self.last_grad_norm = None
+            self._fused_sgd.step(self.flat.detach(), grad_sum, divisor)  # divides as it steps
+            return
+        average_(grad_sum, divisor)
         # Clipped here, on the averaged gradient the server applies (train.clip_grad_norm; ps.shards=1).
         self.last_grad_norm = clip_([self.flat], self.optimizer_spec.clip_grad_norm)
         if self._fused_sgd is not None:

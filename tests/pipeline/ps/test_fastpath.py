@@ -68,6 +68,58 @@ def test_the_server_step_applies_the_sum_divided_by_the_world_size_bit_for_bit(d
     assert torch.equal(core.flat.detach().view(torch.int32), expected.view(torch.int32))
 
 
+@pytest.mark.parametrize("divisor", [1, 2, 3, 8])
+@pytest.mark.parametrize("spec", [
+    OptimizerSpec(name="sgd", lr=0.01, momentum=0.9),  # one kernel: the divide, momentum and step fused
+    OptimizerSpec(name="sgd", lr=0.3, momentum=0.5, weight_decay=1e-3),  # the ops: weight decay
+])
+def test_server_steps_with_momentum_equal_torch_sgd_on_the_averaged_sum_bit_for_bit(spec, divisor,
+                                                                                    monkeypatch) -> None:
+    """Each update (the first sets the momentum buffer) equals ``torch.optim.SGD`` stepped on ``sum / n``,
+    whether one kernel divides as it steps or the sum is divided first; the buffer is where torch keeps it."""
+    from pipeline.ps import optim
+    from pipeline.ps.core import ShardCore
+    from pipeline.ps.settings import PSSettings
+
+    kernel, calls = optim._ONE_KERNEL, []
+    assert kernel is not None  # torch 2.13 has it: the path under test
+    monkeypatch.setattr(optim, "_ONE_KERNEL", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+
+    init = torch.randn(N, generator=torch.Generator().manual_seed(4))
+    core = ShardCore(init, PSSettings(optimizer=spec), generation=0)
+    ref = init.clone().requires_grad_(True)
+    ref_opt = build_optimizer(spec, ref)
+    for i, grad_sum in enumerate(_grads(5, seed=5)):
+        ref.grad = grad_sum / divisor
+        ref_opt.step()
+        core.optimizer_step(grad_sum.clone(), divisor)
+        assert torch.equal(core.flat.detach().view(torch.int32), ref.detach().view(torch.int32)), f"step {i}"
+    assert torch.equal(core.optimizer.state_dict()["state"][0]["momentum_buffer"],
+                       ref_opt.state_dict()["state"][0]["momentum_buffer"])
+    assert len(calls) == (0 if spec.weight_decay else 5)
+
+
+@pytest.mark.parametrize("size", [58, 64 * 7 + 3, N])
+def test_a_server_in_slices_steps_bit_for_bit_as_one(size: int) -> None:
+    """Sliced anywhere (ps.shards, ps.bucket_mb), the slices' steps give the one server's bits: no element's
+    rounding depends on where its slice ends (the fused kernel's scalar tail would make it)."""
+    from pipeline.ps.core import ShardCore
+    from pipeline.ps.settings import PSSettings
+
+    spec = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9)
+    init = torch.randn(size, generator=torch.Generator().manual_seed(6))
+    whole = ShardCore(init, PSSettings(optimizer=spec), generation=0)
+    cuts = [0, size // 3, size // 3 + 1, size]
+    slices = [ShardCore(init[a:b], PSSettings(optimizer=spec), generation=0) for a, b in zip(cuts, cuts[1:])]
+    for grad_sum in _grads(4, seed=7):
+        grad_sum = grad_sum[:size]
+        whole.optimizer_step(grad_sum.clone(), 2)
+        for core, a, b in zip(slices, cuts, cuts[1:]):
+            core.optimizer_step(grad_sum[a:b].clone(), 2)
+    joined = torch.cat([core.flat.detach() for core in slices])
+    assert torch.equal(whole.flat.detach().view(torch.int32), joined.view(torch.int32))
+
+
 def test_fused_sgd_is_only_built_for_plain_sgd() -> None:
     p = torch.zeros(3, requires_grad=True)
     assert FusedSGD.for_optimizer(build_optimizer(OptimizerSpec(name="adam"), p)) is None
