@@ -101,7 +101,8 @@ def main() -> int:
               f"server slices (ps.shards or ps.bucket_mb buckets): {result.ps_stats.get('shards', 1)}")
         print(table(row))
         print(f"named parts {parts:.3f} ms = {100 * parts / step:.1f}% of the step "
-              f"({'within' if parts >= 0.9 * step else 'NOT within'} 10%)")
+              f"({'within' if parts >= 0.9 * step else 'NOT within'} 10%); pull_wait by rank "
+              f"{row[f'{PREFIX}pull_wait_ms_min']:.3f}-{row[f'{PREFIX}pull_wait_ms_max']:.3f} ms (least-most)")
         if row.get("ps/updates"):  # the driver's PS: its side of the same epoch, per applied update
             print(f"server, same epoch (reduce, optimizer: summed over slices): reduce {row['ps/reduce_ms']:.3f} ms, "
                   f"optimizer {row['ps/optimizer_ms']:.3f} ms, "

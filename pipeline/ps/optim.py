@@ -125,8 +125,8 @@ class FusedSGD:
 
     def _one_kernel(self, param: torch.Tensor, grad: torch.Tensor, divisor: int, lr: float, momentum: float) -> None:
         """The division, the momentum update and the step in one pass over the three vectors (torch's fused
-        CPU SGD kernel, what ``SGD(fused=True)`` runs) instead of four: on the sync round's tail, 0.29 ms
-        against 0.56-0.70 ms for 4.4 MB on the 2-core box.
+        CPU SGD kernel, what ``SGD(fused=True)`` runs) instead of four: on the sync round's tail, 0.34 ms
+        against 0.49 ms per update for 4.4 MB with momentum on the 2-core box (``ShardCore.optimizer_step``).
 
         Only over a prefix of whole ``_BODY`` blocks: the kernel's vectorized body rounds as the separate ops
         of ``step`` do, but its scalar loop over the last elements contracts ``buf * m + g`` into one fused
@@ -161,7 +161,7 @@ class FusedSGD:
         param.add_(grad, alpha=-lr)
 
 
-# torch's fused SGD kernel (aten::_fused_sgd_, CPU since torch 2.4); None on a torch without it.
+# torch's fused SGD kernel (aten::_fused_sgd_, what SGD(fused=True) runs); None on a torch without it.
 _ONE_KERNEL = getattr(torch, "_fused_sgd_", None)
 # Elements per block of the kernel's vectorized body: a multiple of every SIMD width torch uses (AVX-512: 16).
 _BODY = 64

@@ -81,12 +81,12 @@ def _process_group(rendezvous, plan: WorkerPlan, faults: FaultHooks, device: str
 
 def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, device: str, faults: FaultHooks,
            logs: LogStream, started: float) -> WorkerResult:
-    from pipeline.worker.timing import step_timer
-
-    precision = exchange.precision
     from pipeline.models.losses import loss_weight
+    from pipeline.worker.timing import step_timer
     from pipeline.worker.validation import evaluate_part
 
+    precision = exchange.precision
+    weight_of = loss_weight(plan.model)  # the validation parts' loss denominators
     level = logging.INFO if plan.rank == 0 else logging.DEBUG
     samples = 0
     last_loss = float("nan")
@@ -157,7 +157,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
                    "seconds": seconds, "cpu_s": cpu_s, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
                    **timer.take(seconds, epoch_steps), **(sparse.take_stats() if sparse is not None else {})}
         if validation is not None:
-            metrics.update(evaluate_part(model, loss, loss_weight(plan.model), validation[0], validation[1], plan.task))
+            metrics.update(evaluate_part(model, loss, weight_of, validation[0], validation[1], plan.task))
         log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,
                 epoch_samples / max(seconds, 1e-9))
         exchange.end_epoch(step)  # buffers to the server, before the report a checkpoint waits for

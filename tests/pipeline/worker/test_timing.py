@@ -138,9 +138,12 @@ def test_the_null_timer_reads_no_clock(monkeypatch):
 
 
 def test_summarize_and_table():
-    rows = {0: {"time/forward_ms": 2.0, "time/step_ms": 4.0, "loss": 1.0},
-            1: {"time/forward_ms": 4.0, "time/step_ms": 8.0}}
-    assert timing.summarize(rows) == {"time/forward_ms": 3.0, "time/step_ms": 6.0, "time/step_ms_max": 8.0}
+    rows = {0: {"time/forward_ms": 2.0, "time/step_ms": 4.0, "time/pull_wait_ms": 0.5, "loss": 1.0},
+            1: {"time/forward_ms": 4.0, "time/step_ms": 8.0, "time/pull_wait_ms": 2.5},
+            2: {"time/forward_ms": 3.0, "time/step_ms": 6.0, "time/pull_wait_ms": 1.5}}
+    assert timing.summarize(rows) == {"time/forward_ms": 3.0, "time/step_ms": 6.0, "time/pull_wait_ms": 1.5,
+                                      "time/step_ms_max": 8.0, "time/pull_wait_ms_min": 0.5,
+                                      "time/pull_wait_ms_max": 2.5}
     assert timing.summarize({0: {"loss": 1.0}}) == {}
     text = timing.table({"time/forward_ms": 3.0, "time/step_ms": 6.0})
     assert "forward" in text and "50.0%" in text and text.splitlines()[-1].startswith("step")
