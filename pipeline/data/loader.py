@@ -51,7 +51,8 @@ def read_tensors(files: Sequence[str], features_field: str = "features", label_f
             parts.append(x)
             labels.append(y)
     if not labels:
-        raise DataError(f"rows {start}..{stop} are past the end of {len(files)} shard file(s) of {offset} rows")
+        what = "hold no rows" if rows is None else f"hold {offset} rows, none of rows {start}..{stop}"
+        raise DataError(f"the {len(files)} shard file(s) {what}; re-run `shardline etl`")
     keys = parts[0].keys() if parts else ()
     with warnings.catch_warnings():
         # Arrow buffers are read-only; batches are gathered with index_select (a copy), never written in place.

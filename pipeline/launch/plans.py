@@ -108,9 +108,8 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
     per_rank = cfg.data.reader == "petastorm"
     everything = tuple(manifest.files("train"))
     all_groups = tuple(tuple(r) for r in manifest.row_group_rows("train"))
-    has_validation = "validation" in manifest.splits and manifest.split("validation").rows > 0
-    validation = tuple(manifest.files("validation")) if has_validation else ()
-    validation_total = manifest.split("validation").rows if has_validation else 0
+    validation_total = manifest.split("validation").rows if "validation" in manifest.splits else 0
+    validation = tuple(manifest.files("validation")) if validation_total > 0 else ()
     stages, faults, waits = cfg.parallelism.pipeline, fault_plan(cfg, attempt), deadlines(cfg)
     optimizer = optimizer_spec(cfg, steps, offset=stream.offset)
     cuts = tuple(cfg.parallelism.cuts) if cfg.parallelism.cuts else None

@@ -112,16 +112,20 @@ class FusedSGD:
             average_(grad, divisor)
             if weight_decay != 0:
                 grad = grad.add(param, alpha=weight_decay)
-            if momentum != 0:
-                state = self.optimizer.state[self.param]
-                buf = state.get("momentum_buffer")
-                if buf is None:
-                    buf = grad.detach().clone()
-                    state["momentum_buffer"] = buf
-                else:
-                    buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-                grad = buf
-            param.add_(grad, alpha=-lr)
+            buf, first = self._momentum_buffer(param, momentum)
+            _ops_step(param, grad, buf, first, lr, momentum, dampening)
+
+    def _momentum_buffer(self, param: torch.Tensor, momentum: float) -> tuple[torch.Tensor | None, bool]:
+        """(the momentum buffer in ``optimizer.state``, whether this step is its first: just allocated);
+        (None, False) without momentum."""
+        if momentum == 0:
+            return None, False
+        state = self.optimizer.state[self.param]
+        buf = state.get("momentum_buffer")
+        if buf is None:  # the first step sets it to the (divided) gradient, as torch's SGD does
+            state["momentum_buffer"] = torch.empty_like(param)
+            return state["momentum_buffer"], True
+        return buf, False
 
     def _one_kernel(self, param: torch.Tensor, grad: torch.Tensor, divisor: int, lr: float, momentum: float) -> None:
         """The division, the momentum update and the step in one pass over the three vectors (torch's fused
@@ -133,11 +137,7 @@ class FusedSGD:
         multiply-add, so which elements came out different depended on where a tensor ended (a server in
         two slices was no longer bit for bit the server in one). The rest takes the ops. Weight decay and
         dampening take the ops throughout (tests/pipeline/ps/test_fastpath.py)."""
-        state = self.optimizer.state[self.param]
-        buf = state.get("momentum_buffer") if momentum != 0 else None
-        first = momentum != 0 and buf is None
-        if first:  # the kernel's first step sets it to the (divided) gradient, as torch's SGD does
-            buf = state["momentum_buffer"] = torch.empty_like(param)
+        buf, first = self._momentum_buffer(param, momentum)
         body = param.numel() - param.numel() % _BODY
         if body:
             scale = None
@@ -148,23 +148,28 @@ class FusedSGD:
             _ONE_KERNEL([param[:body]], [grad[:body]], [buf[:body]] if buf is not None else [], weight_decay=0.0,
                         momentum=momentum, lr=lr, dampening=0.0, nesterov=False, maximize=False,
                         is_first_step=first, grad_scale=scale, found_inf=None)
-        if body == param.numel():
-            return
-        param, grad = param[body:], grad[body:]
-        average_(grad, divisor)
-        if buf is not None:
-            if first:
-                buf[body:].copy_(grad)
-            else:
-                buf[body:].mul_(momentum).add_(grad)
-            grad = buf[body:]
-        param.add_(grad, alpha=-lr)
-
+        if body < param.numel():
+            tail = grad[body:]
+            average_(tail, divisor)
+            _ops_step(param[body:], tail, buf[body:] if buf is not None else None, first, lr, momentum, 0.0)
 
 # torch's fused SGD kernel (aten::_fused_sgd_, what SGD(fused=True) runs); None on a torch without it.
 _ONE_KERNEL = getattr(torch, "_fused_sgd_", None)
 # Elements per block of the kernel's vectorized body: a multiple of every SIMD width torch uses (AVX-512: 16).
 _BODY = 64
+
+
+def _ops_step(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, first: bool, lr: float,
+              momentum: float, dampening: float) -> None:
+    """``_single_tensor_sgd``'s momentum update and step as its torch ops, in its order (``grad`` already
+    divided and weight-decayed; ``buf`` None without momentum, ``first``: set it to ``grad``)."""
+    if buf is not None:
+        if first:
+            buf.copy_(grad)
+        else:
+            buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+        grad = buf
+    param.add_(grad, alpha=-lr)
 
 
 def average_(grad_sum: torch.Tensor, divisor: int) -> None:
