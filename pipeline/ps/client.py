@@ -30,6 +30,7 @@ from pipeline.errors import NonFiniteError, PSError, PSTimeoutError, ProtocolErr
 from pipeline.ps.buffer_requests import BufferRequests
 from pipeline.ps.bucket_rounds import BucketRounds
 from pipeline.ps.compression import Compressor
+from pipeline.ps.meeting import RendezvousRequests
 from pipeline.ps.opening import Opening, open_shard
 from pipeline.ps.protocol import Channel, Header, MsgType, ServerInfo, ShardInfo
 from pipeline.ps.shm_offer import page_params
@@ -70,7 +71,7 @@ def _pull_wait(timeout: Timeout) -> Timeout:
     return dataclasses.replace(timeout, seconds=timeout.seconds + max(0.5, 0.25 * timeout.seconds))
 
 
-class PSClient(BufferRequests, BucketRounds):
+class PSClient(BufferRequests, BucketRounds, RendezvousRequests):
     """Blocking client of one worker rank. Context manager: connects on enter, closes on exit
     (sending a best-effort FAIL if the block raised). Call ``finish()`` when training is done;
     closing without it is recorded by the server as a failure of this rank.

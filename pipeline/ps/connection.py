@@ -30,12 +30,14 @@ class RankConnection:
 
 @dataclass
 class Roster:
-    """Ranks of the current generation: connected now, finished, and every rank that authenticated."""
+    """Ranks of the current generation: connected now, finished, every rank that authenticated, and what
+    each offered at the allreduce rendezvous (``pipeline.ps.meeting``)."""
 
     world_size: int
     connected: dict[int, RankConnection] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     registered: set[int] = field(default_factory=set)
+    offers: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def add_locked(self, conn: RankConnection) -> None:
         self.connected[conn.rank] = conn
@@ -62,6 +64,7 @@ class Roster:
         self.connected.clear()
         self.finished.clear()
         self.registered.clear()
+        self.offers.clear()
         return old
 
 

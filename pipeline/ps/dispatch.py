@@ -35,6 +35,7 @@ from pipeline.ps.messages import (
     Reply,
 )
 from pipeline.ps.buffers import BufferStore
+from pipeline.ps.meeting import MEETING_HANDLERS, Offers
 from pipeline.ps.policies import ConsistencyPolicy
 from pipeline.ps.protocol import DType, Header, MsgType
 from pipeline.ps.shm_offer import SHM_HANDLERS, ShmOffer, give_back
@@ -217,11 +218,12 @@ HANDLERS: dict[MsgType, Handler[Any]] = {
     MsgType.PULL_BUFFERS: PullBuffersHandler(),
     **SPARSE_HANDLERS,  # SPARSE_PULL, SPARSE_PUSH (pipeline.ps.sparse.handlers)
     **SHM_HANDLERS,  # SHM_REQUEST, SHM_ATTACHED (pipeline.ps.shm_offer)
+    **MEETING_HANDLERS,  # RENDEZVOUS (pipeline.ps.meeting)
 }
 
 
 def deliver(ctx: RequestContext, conn: RankConnection, reply: Reply) -> None:
-    if isinstance(reply, (SparseRows, ShmOffer)):
+    if isinstance(reply, (SparseRows, ShmOffer, Offers)):
         reply.send_to(ctx, conn)
         return
     match reply:

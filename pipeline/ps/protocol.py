@@ -85,6 +85,9 @@ class MsgType(IntEnum):
     # server -> client, empty, step = version: the PARAMS of that version lie in the shared parameter page
     # the client mapped (pipeline.wire.shared_page; sync mode, a worker on the server's host).
     PARAMS_SHARED = 21
+    # The allreduce rendezvous through the driver's server (pipeline.ps.meeting): client -> server, JSON
+    # {offer}; server -> client, JSON {offers}, every rank's offer in rank order, once all have sent one.
+    RENDEZVOUS = 22
 
 
 # fp16/bf16/sparse are only accepted for compressed pushes.
@@ -100,7 +103,7 @@ DEFAULT_TENSOR_DTYPES = frozenset({DType.FLOAT32})
 
 TENSOR_TYPES = frozenset({MsgType.PARAMS, MsgType.PUSH, MsgType.PUSH_PULL})
 JSON_TYPES = frozenset({MsgType.WELCOME, MsgType.METRICS, MsgType.FAIL, MsgType.ERROR, MsgType.SHM_OFFER,
-                        MsgType.SHM_ATTACHED})
+                        MsgType.SHM_ATTACHED, MsgType.RENDEZVOUS})
 # Buffer frames: fp32 words whose exact count the receiver checks against its layout before reading;
 # the header only caps them (buffers are small next to parameters; 64 MiB is far above any BatchNorm).
 BUFFER_TYPES = frozenset({MsgType.BUFFERS})

@@ -1,7 +1,9 @@
 """The allreduce backend's process group: joined at a rendezvous address, always destroyed on the way out.
 
-No Spark here: launch/task/rendezvous.py starts the group's authenticated store (worker/store.py) in the
-group's first task, shares its address through the barrier's allGather and passes it in as plain values.
+No Spark here: the group's first task serves its authenticated store (worker/store.py) and its address
+reaches the others through the driver's parameter server (``MeetingAtPS``, a flat run with the PS on the
+driver) or the barrier's allGather (launch/task/rendezvous.py: a task-hosted PS, pipeline stages), as plain
+values.
 """
 from __future__ import annotations
 
@@ -33,6 +35,43 @@ class Rendezvous:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", Timeout.of(self.timeout, CONNECT_KEY))
+
+
+@dataclass(frozen=True)
+class MeetingAtPS:
+    """A flat allreduce rank's way to its group through the driver's parameter server instead of the
+    barrier's allGather (``pipeline.ps.meeting`` says why): rank 0 serves the group's authenticated store
+    on ``local_host`` (its task's own address), every rank offers its device kind over its PS connection
+    and learns the store's address from rank 0's offer. ``timeout`` is joining the group's
+    (``timeouts.connect_s``), as for a :class:`Rendezvous`."""
+
+    local_host: str
+    secret: bytes
+    generation: int
+    timeout: Union[Timeout, float]
+
+    @contextmanager
+    def joined(self, client, rank: int, device: str) -> Iterator[Rendezvous]:
+        """The :class:`Rendezvous` this rank's group meets at; rank 0's store is served for the block."""
+        from pipeline.worker.device import device_kind, mixed_devices_error
+        from pipeline.worker.store import StoreServer
+
+        offer: dict = {"device": device_kind(device)}
+        store = None
+        try:
+            if rank == 0:
+                store = StoreServer(self.local_host, self.secret, self.generation)
+                offer["allreduce"] = list(store.address)
+            offers = client.rendezvous(offer)
+            mixed = mixed_devices_error({r: o.get("device", "cpu") for r, o in enumerate(offers)})
+            if mixed:
+                raise RuntimeError(mixed)
+            host, port = offers[0]["allreduce"]
+            yield Rendezvous(str(host), int(port), self.timeout, secret=self.secret, generation=self.generation,
+                             local_host=self.local_host)
+        finally:
+            if store is not None:
+                store.close()
 
 
 def _fresh_group_names() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 from pipeline.data.batch import to_device
 from pipeline.worker.guards import batch_inputs, check_finite, keeps_its_type, model_input_error
@@ -28,8 +28,9 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
     """Train this rank's share of the run (one whole model replica); raise on any failure.
 
     backend ps: gradients go to the server in its ``ps.mode``. backend allreduce: the model is wrapped in
-    DistributedDataParallel over a process group joined at ``rendezvous`` (a worker.distributed.Rendezvous);
-    the PS connection still carries metrics, failures and FINISH."""
+    DistributedDataParallel over a process group joined at ``rendezvous`` (a worker.distributed.Rendezvous,
+    or a MeetingAtPS that finds it over this rank's PS connection); the PS connection still carries metrics,
+    failures and FINISH."""
     from pipeline.data import read_tensors
     from pipeline.models import build_model, loss_fn
 
@@ -48,7 +49,8 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
         # Before the rendezvous: a local optimizer's first construction imports torch._dynamo (seconds on a
         # fresh Python worker), which must not run while the peers wait in DDP's first broadcast.
         exchange = _exchange(plan, client, info, model, device)
-        group = _process_group(rendezvous, plan, faults, device) if plan.backend == "allreduce" else nullcontext()
+        group = (_process_group(rendezvous, plan, faults, device, client) if plan.backend == "allreduce"
+                 else nullcontext())
         with group, failures_reported(client), LogStream(client, plan.rank) as logs:
             return _train(plan, info, exchange, model, loss_fn(plan.model), loader, validation, device, faults,
                           logs, started)
@@ -70,13 +72,26 @@ def _sparse_hook(plan: WorkerPlan, exchange, info, model):
                        wire_dtype=plan.model.sparse.get("wire_dtype", "fp32"))
 
 
-def _process_group(rendezvous, plan: WorkerPlan, faults: FaultHooks, device: str):
-    from pipeline.worker.distributed import process_group
+def _process_group(rendezvous, plan: WorkerPlan, faults: FaultHooks, device: str, client):
+    from pipeline.worker.distributed import MeetingAtPS, process_group
 
     if rendezvous is None:
         raise ValueError("train.backend=allreduce needs a rendezvous address (given by the barrier task)")
     faults.joining_group()
+    if isinstance(rendezvous, MeetingAtPS):
+        return _met_group(rendezvous, plan, device, client)
     return process_group(rendezvous, plan.rank, plan.world_size, device)
+
+
+@contextmanager
+def _met_group(meeting, plan: WorkerPlan, device: str, client):
+    """The process group at the address the ranks agreed on through the PS (rank 0's store served for
+    the whole run: the group's teardown still talks to it)."""
+    from pipeline.worker.distributed import process_group
+
+    with meeting.joined(client, plan.rank, device) as rendezvous, \
+            process_group(rendezvous, plan.rank, plan.world_size, device) as backend:
+        yield backend
 
 
 def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, device: str, faults: FaultHooks,

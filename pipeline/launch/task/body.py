@@ -64,12 +64,27 @@ def make_task_fn(plans: list[WorkerPlan], wiring: TaskWiring) -> Callable[[Itera
         context = BarrierTaskContext.get()
         plan = plans[context.partitionId()]
         gpu = assigned_gpu(context.resources())
-        if plan.backend != "allreduce" and wiring.hosted is None and plan.stage is None:
-            yield from to_batches(run_rank(plan, wiring.ps, wiring, gpu=gpu))
+        if wiring.hosted is None and plan.stage is None:  # the driver's PS: no barrier rendezvous at all
+            try:
+                meeting = _meeting_at_ps(context, plan, wiring) if plan.backend == "allreduce" else None
+            except Exception as exc:  # noqa: BLE001 - reported as this rank's failure row
+                yield from to_batches(failure_row(plan.rank, f"rank {plan.rank} has no task address for the "
+                                                             f"allreduce rendezvous: {type(exc).__name__}: {exc}", ""))
+                return
+            yield from to_batches(run_rank(plan, wiring.ps, wiring, gpu=gpu, rendezvous=meeting))
             return
         yield from to_batches(_run_with_rendezvous(context, plan, wiring, gpu))
 
     return task
+
+
+def _meeting_at_ps(context, plan: WorkerPlan, wiring: TaskWiring):
+    """A flat allreduce rank meets its group through the driver's PS (``pipeline.ps.meeting``: the barrier's
+    allGather costs ~1 s per attempt), on this task's own address."""
+    from pipeline.launch.task.rendezvous import own_host
+    from pipeline.worker.distributed import MeetingAtPS
+
+    return MeetingAtPS(own_host(context, plan.rank), wiring.secret, plan.generation, plan.deadlines.connect)
 
 
 def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Optional[str]) -> dict:

@@ -28,7 +28,8 @@ def test_one_policy_per_mode_as_the_worker_has_one_exchange_per_mode():
 def test_one_handler_per_message_a_worker_sends():
     assert set(HANDLERS) == {MsgType.PUSH, MsgType.PUSH_PULL, MsgType.PULL, MsgType.METRICS, MsgType.FAIL,
                              MsgType.FINISH, MsgType.BUFFERS, MsgType.PULL_BUFFERS,
-                             MsgType.SPARSE_PULL, MsgType.SPARSE_PUSH, MsgType.SHM_REQUEST, MsgType.SHM_ATTACHED}
+                             MsgType.SPARSE_PULL, MsgType.SPARSE_PUSH, MsgType.SHM_REQUEST, MsgType.SHM_ATTACHED,
+                             MsgType.RENDEZVOUS}
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp", "async", "average"])

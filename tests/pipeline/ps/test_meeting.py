@@ -1,0 +1,76 @@
+"""The allreduce rendezvous through the parameter server (RENDEZVOUS, pipeline.ps.meeting): real servers
+and clients on 127.0.0.1, ranks in threads."""
+import pytest
+
+from pipeline.errors import ProtocolError, PSError, PSTimeoutError
+from pipeline.ps.protocol import MsgType
+
+
+def test_every_rank_gets_every_offer_in_rank_order(make_server, make_client, background):
+    server = make_server(world_size=3, timeout_s=30)
+    clients = [make_client(server, rank) for rank in range(3)]
+    for c in clients:
+        c.connect()
+    offers = [{"device": "cpu", "rank": rank} for rank in range(3)]
+    offers[0]["allreduce"] = ["127.0.0.1", 4242]
+    # Offered out of rank order; the last one completes the meeting and everyone is answered.
+    waiting = [background(lambda c=clients[r], o=offers[r]: c.rendezvous(o)) for r in (2, 0)]
+    assert clients[1].rendezvous(offers[1]) == offers
+    assert [w.result() for w in waiting] == [offers, offers]
+
+
+@pytest.mark.parametrize("how", ["fail", "disconnect", "finish"])
+def test_a_failed_or_finished_peer_ends_the_wait_at_once(make_server, make_client, background, how):
+    server = make_server(world_size=2, timeout_s=30)  # only failing fast can end the wait within the test
+    c0, c1 = make_client(server, 0), make_client(server, 1)
+    c0.connect()
+    c1.connect()
+    waiter = background(lambda: c0.rendezvous({"device": "cpu"}))
+    if how == "fail":
+        c1.fail("rank 1 could not pick its device")
+    elif how == "disconnect":
+        c1.close()
+    else:
+        c1.finish()
+    error = waiter.outcome()
+    assert isinstance(error, PSError) and not isinstance(error, PSTimeoutError), error
+    assert "rank(s) 1" in str(error)
+    if how == "fail":
+        assert "could not pick its device" in str(error)
+    if how == "finish":
+        assert "finished without a rendezvous offer" in str(error)
+
+
+def test_the_wait_has_the_step_deadline_naming_the_missing_ranks(make_server, make_client):
+    server = make_server(world_size=3, timeout_s=0.3)
+    with make_client(server, 0) as c0, make_client(server, 1) as c1:
+        c1.connect()
+        with pytest.raises(PSTimeoutError) as info:
+            c0.rendezvous({"device": "cpu"})
+    text = str(info.value)
+    assert "allreduce rendezvous: rank(s) 1, 2 sent no offer" in text
+    assert "rank(s) 2 never connected" in text and "ps.timeout_s" in text
+
+
+def test_one_offer_per_rank_and_generation_and_a_new_generation_meets_again(make_server, make_client):
+    server = make_server(world_size=1)
+    c = make_client(server, 0)
+    c.connect()
+    assert c.rendezvous({"device": "cpu"}) == [{"device": "cpu"}]
+    with pytest.raises(PSError, match="already sent its rendezvous offer in generation 1"):
+        c.rendezvous({"device": "cpu"})
+    server.new_generation()
+    retried = make_client(server, 0, generation=server.generation)
+    retried.connect()
+    assert retried.rendezvous({"device": "cuda"}) == [{"device": "cuda"}]
+
+
+def test_an_offer_that_is_not_a_small_object_is_a_protocol_error(make_server, make_client):
+    server = make_server(world_size=1)
+    c = make_client(server, 0)
+    c.connect()
+    link = c._require()[0]
+    link.channel.send_json(MsgType.RENDEZVOUS, {"offer": ["cpu"]}, generation=c.generation, rank=0, timeout=1.0)
+    with pytest.raises(ProtocolError, match="RENDEZVOUS carries an object"):
+        c._gather([link], MsgType.RENDEZVOUS, "offers", c.step_timeout, lambda link, header: header.step)
+    assert server.stats["protocol_errors"] == 1
