@@ -23,8 +23,24 @@ from pipeline.ps.messages import TIMEOUT, Refusal
 from pipeline.ps.protocol import Header, MsgType
 from pipeline.wire.deadline import deadline_after
 
-# An offer is a device kind and a host:port; anything larger is not from a shardline worker.
-MAX_OFFER_KEYS = 8
+# An offer is a device kind and, from rank 0, a host and port: anything else is not from a shardline worker
+# (and a world of large offers would not fit one reply, frames.MAX_JSON_BYTES).
+DEVICE_KINDS = ("cpu", "cuda")
+MAX_HOST_CHARS = 255
+
+
+def offer_error(offer: Any) -> str | None:
+    """Why ``offer`` is not a rendezvous offer, or None."""
+    if not isinstance(offer, dict) or not set(offer) <= {"device", "allreduce"}:
+        return f"an object with 'device' and, from rank 0, 'allreduce', got {str(offer)[:80]!r}"
+    if offer.get("device") not in DEVICE_KINDS:
+        return f"'device' one of {DEVICE_KINDS}, got {str(offer.get('device'))[:20]!r}"
+    where = offer.get("allreduce")
+    if where is not None and not (isinstance(where, list) and len(where) == 2 and isinstance(where[0], str)
+                                  and 0 < len(where[0]) <= MAX_HOST_CHARS and type(where[1]) is int
+                                  and 0 < where[1] < 65536):
+        return f"'allreduce' a [host, port] pair, got {str(where)[:80]!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -54,9 +70,9 @@ class RendezvousHandler:
     def read(self, ctx: Any, conn: Any, header: Header) -> RendezvousRequest:
         body = conn.channel.recv_json(header, deadline_after(ctx.step_timeout))
         offer = body.get("offer")
-        if not isinstance(offer, dict) or len(offer) > MAX_OFFER_KEYS:
-            raise ProtocolError(f"a RENDEZVOUS carries an object of at most {MAX_OFFER_KEYS} keys as its "
-                                f"offer, got {type(offer).__name__}")
+        error = offer_error(offer)
+        if error is not None:
+            raise ProtocolError(f"a RENDEZVOUS offer is {error}")
         return RendezvousRequest(offer)
 
     def handle(self, ctx: Any, conn: Any, request: RendezvousRequest) -> Offers:

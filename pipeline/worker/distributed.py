@@ -52,7 +52,11 @@ class MeetingAtPS:
 
     @contextmanager
     def joined(self, client, rank: int, device: str) -> Iterator[Rendezvous]:
-        """The :class:`Rendezvous` this rank's group meets at; rank 0's store is served for the block."""
+        """The :class:`Rendezvous` this rank's group meets at; rank 0's store is served for the block.
+
+        A failure here or in the block (joining the group included) goes to the server as this rank's FAIL
+        before rank 0's store closes: the peers then fail on the closed store, and the server must hear
+        the cause first (``PSClient.report_failure`` sends one FAIL per failure)."""
         from pipeline.worker.device import device_kind, mixed_devices_error
         from pipeline.worker.store import StoreServer
 
@@ -66,9 +70,15 @@ class MeetingAtPS:
             mixed = mixed_devices_error({r: o.get("device", "cpu") for r, o in enumerate(offers)})
             if mixed:
                 raise RuntimeError(mixed)
+            if not offers[0].get("allreduce"):
+                raise RuntimeError("rank 0's rendezvous offer names no store address; driver and workers must "
+                                   "run the same shardline version")
             host, port = offers[0]["allreduce"]
             yield Rendezvous(str(host), int(port), self.timeout, secret=self.secret, generation=self.generation,
                              local_host=self.local_host)
+        except BaseException as exc:
+            client.report_failure(exc)
+            raise
         finally:
             if store is not None:
                 store.close()

@@ -165,9 +165,13 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     try:
-        device = choose_device(gpu) if device is None else device
-        # Before the loader pins host memory or the model moves: their CUDA context goes on this device.
-        bind_device(device)
+        try:
+            device = choose_device(gpu) if device is None else device
+            # Before the loader pins host memory or the model moves: their CUDA context goes on this device.
+            bind_device(device)
+        except BaseException as exc:
+            _tell_ps(plan, address, wiring, exc)
+            raise
         result = run(plan, address[0], int(address[1]), wiring.secret, device=device, rendezvous=rendezvous,
                      log_tail=lambda: "\n".join(handler.lines), wiring=stage_wiring, tls=wiring.pinned)
         return {"rank": plan.rank, "ok": True, "error": None, "log_tail": None, "retryable": None,
@@ -185,6 +189,23 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous_level)
+
+
+def _tell_ps(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskWiring, exc: BaseException) -> None:
+    """A FAIL for a failure before this rank connected (its device): peers waiting for it on the server (a
+    synchronous step, the allreduce rendezvous) stop now instead of at their deadline. Best effort."""
+    from pipeline.errors import is_retryable
+    from pipeline.ps import PSClient
+
+    if address is None:
+        return
+    try:
+        with PSClient(address[0], int(address[1]), rank=plan.rank, secret=wiring.secret,
+                      generation=plan.generation, timeout_s=plan.deadlines.step,
+                      connect_timeout=plan.deadlines.connect, tls=wiring.pinned) as client:
+            client.fail(f"{type(exc).__name__}: {exc}", retryable=is_retryable(exc))  # never raises
+    except Exception:  # the failure row still reports it; this only spares the peers their deadline
+        log.debug("rank %d could not tell the parameter server it failed", plan.rank, exc_info=True)
 
 
 __all__ = ["TaskWiring", "make_task_fn", "run_rank"]

@@ -1,5 +1,7 @@
 """The allreduce rendezvous through the parameter server (RENDEZVOUS, pipeline.ps.meeting): real servers
 and clients on 127.0.0.1, ranks in threads."""
+import re
+
 import pytest
 
 from pipeline.errors import ProtocolError, PSError, PSTimeoutError
@@ -11,8 +13,7 @@ def test_every_rank_gets_every_offer_in_rank_order(make_server, make_client, bac
     clients = [make_client(server, rank) for rank in range(3)]
     for c in clients:
         c.connect()
-    offers = [{"device": "cpu", "rank": rank} for rank in range(3)]
-    offers[0]["allreduce"] = ["127.0.0.1", 4242]
+    offers = [{"device": "cpu", "allreduce": ["127.0.0.1", 4242]}, {"device": "cpu"}, {"device": "cuda"}]
     # Offered out of rank order; the last one completes the meeting and everyone is answered.
     waiting = [background(lambda c=clients[r], o=offers[r]: c.rendezvous(o)) for r in (2, 0)]
     assert clients[1].rendezvous(offers[1]) == offers
@@ -65,12 +66,20 @@ def test_one_offer_per_rank_and_generation_and_a_new_generation_meets_again(make
     assert retried.rendezvous({"device": "cuda"}) == [{"device": "cuda"}]
 
 
-def test_an_offer_that_is_not_a_small_object_is_a_protocol_error(make_server, make_client):
+@pytest.mark.parametrize("offer, why", [
+    (["cpu"], "an object with 'device'"),
+    ({"device": "cpu", "extra": "x" * 900_000}, "an object with 'device'"),
+    ({"device": "tpu"}, "'device' one of"),
+    ({"device": "cpu", "allreduce": ["h" * 300, 80]}, "'allreduce' a [host, port] pair"),
+    ({"device": "cpu", "allreduce": ["127.0.0.1", "80"]}, "'allreduce' a [host, port] pair"),
+    ({"device": "cpu", "allreduce": ["127.0.0.1", 70000]}, "'allreduce' a [host, port] pair"),
+])
+def test_an_offer_that_is_not_a_device_and_an_address_is_a_protocol_error(make_server, make_client, offer, why):
     server = make_server(world_size=1)
     c = make_client(server, 0)
     c.connect()
     link = c._require()[0]
-    link.channel.send_json(MsgType.RENDEZVOUS, {"offer": ["cpu"]}, generation=c.generation, rank=0, timeout=1.0)
-    with pytest.raises(ProtocolError, match="RENDEZVOUS carries an object"):
+    link.channel.send_json(MsgType.RENDEZVOUS, {"offer": offer}, generation=c.generation, rank=0, timeout=1.0)
+    with pytest.raises(ProtocolError, match=re.escape(f"RENDEZVOUS offer is {why}")):
         c._gather([link], MsgType.RENDEZVOUS, "offers", c.step_timeout, lambda link, header: header.step)
     assert server.stats["protocol_errors"] == 1
