@@ -69,6 +69,8 @@ class RendezvousHandler:
 
     def read(self, ctx: Any, conn: Any, header: Header) -> RendezvousRequest:
         body = conn.channel.recv_json(header, deadline_after(ctx.step_timeout))
+        if ctx.shard_index != 0:  # every shard keeps a roster, but the group meets on one: shard 0's
+            raise ProtocolError(f"a RENDEZVOUS goes to shard 0, this is shard {ctx.shard_index}")
         offer = body.get("offer")
         error = offer_error(offer)
         if error is not None:
@@ -79,12 +81,21 @@ class RendezvousHandler:
         return Offers(meet(ctx.policy, conn, request.offer))
 
 
+def _refusal_locked(policy: Any, conn: Any) -> str | None:
+    """The policy's refusal, with a failed peer named as what it stops here: the meeting, not a step."""
+    refusal = policy.refusal_locked(conn)
+    if refusal is not None and policy.core.abort_reason is None and policy.ledger.failures:
+        ranks, parts = policy.ledger.describe_locked()
+        return f"rank(s) {ranks} failed, so the allreduce rendezvous cannot complete ({parts})"
+    return refusal
+
+
 def meet(policy: Any, conn: Any, offer: dict[str, Any]) -> list[dict[str, Any]]:
     """Add ``conn``'s offer to its generation's (the roster's, forgotten with it) and wait for the rest."""
     core, roster = policy.core, policy.roster
     deadline = deadline_after(policy.timeout)
     with core.cond:
-        refusal = policy.refusal_locked(conn)
+        refusal = _refusal_locked(policy, conn)
         if refusal is None and conn.rank in roster.offers:
             refusal = f"rank {conn.rank} already sent its rendezvous offer in generation {conn.generation}"
         if refusal is not None:
@@ -92,7 +103,7 @@ def meet(policy: Any, conn: Any, offer: dict[str, Any]) -> list[dict[str, Any]]:
         roster.offers[conn.rank] = offer
         core.cond.notify_all()
         while True:
-            refusal = policy.refusal_locked(conn)
+            refusal = _refusal_locked(policy, conn)
             if refusal is not None:
                 raise Refusal(refusal)
             if len(roster.offers) == policy.world_size:

@@ -206,6 +206,10 @@ class ShardServer:
             return self._core.generation
 
     @property
+    def shard_index(self) -> int:
+        return self._shard_index
+
+    @property
     def num_params(self) -> int:
         return self._core.num_params
 

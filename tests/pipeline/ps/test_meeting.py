@@ -20,26 +20,36 @@ def test_every_rank_gets_every_offer_in_rank_order(make_server, make_client, bac
     assert [w.result() for w in waiting] == [offers, offers]
 
 
-@pytest.mark.parametrize("how", ["fail", "disconnect", "finish"])
-def test_a_failed_or_finished_peer_ends_the_wait_at_once(make_server, make_client, background, how):
+@pytest.mark.parametrize("how", ["fail", "disconnect", "finish", "driver aborts", "new generation"])
+def test_a_failed_or_finished_peer_or_the_driver_ends_the_wait_at_once(make_server, make_client, background, how):
     server = make_server(world_size=2, timeout_s=30)  # only failing fast can end the wait within the test
     c0, c1 = make_client(server, 0), make_client(server, 1)
     c0.connect()
     c1.connect()
     waiter = background(lambda: c0.rendezvous({"device": "cpu"}))
+    expected = {"fail": "rank(s) 1 failed, so the allreduce rendezvous cannot complete",
+                "disconnect": "rank(s) 1 failed, so the allreduce rendezvous cannot complete",
+                "finish": "rank(s) 1 finished without a rendezvous offer",
+                "driver aborts": "the driver gave up on this attempt",
+                # new_generation() cuts the old connections at once: the waiter reads its ERROR or the cut.
+                "new generation": ("generation 1 was superseded by generation 2",
+                                   "closed the connection of rank 0 while it waited for every rank's "
+                                   "rendezvous offer")}[how]
     if how == "fail":
         c1.fail("rank 1 could not pick its device")
     elif how == "disconnect":
         c1.close()
-    else:
+    elif how == "finish":
         c1.finish()
+    elif how == "driver aborts":
+        server.fail("the driver gave up on this attempt")
+    else:
+        server.new_generation()
     error = waiter.outcome()
     assert isinstance(error, PSError) and not isinstance(error, PSTimeoutError), error
-    assert "rank(s) 1" in str(error)
+    assert any(text in str(error) for text in ((expected,) if isinstance(expected, str) else expected)), error
     if how == "fail":
         assert "could not pick its device" in str(error)
-    if how == "finish":
-        assert "finished without a rendezvous offer" in str(error)
 
 
 def test_the_wait_has_the_step_deadline_naming_the_missing_ranks(make_server, make_client):
@@ -81,5 +91,17 @@ def test_an_offer_that_is_not_a_device_and_an_address_is_a_protocol_error(make_s
     link = c._require()[0]
     link.channel.send_json(MsgType.RENDEZVOUS, {"offer": offer}, generation=c.generation, rank=0, timeout=1.0)
     with pytest.raises(ProtocolError, match=re.escape(f"RENDEZVOUS offer is {why}")):
+        c._gather([link], MsgType.RENDEZVOUS, "offers", c.step_timeout, lambda link, header: header.step)
+    assert server.stats["protocol_errors"] == 1
+
+
+def test_a_rendezvous_sent_to_any_shard_but_the_first_is_a_protocol_error(make_server, make_client):
+    server = make_server(world_size=1, shards=2)
+    c = make_client(server, 0)
+    c.connect()
+    link = c._require()[1]
+    link.channel.send_json(MsgType.RENDEZVOUS, {"offer": {"device": "cpu"}}, generation=c.generation, rank=0,
+                           timeout=1.0)
+    with pytest.raises(ProtocolError, match="a RENDEZVOUS goes to shard 0, this is shard 1"):
         c._gather([link], MsgType.RENDEZVOUS, "offers", c.step_timeout, lambda link, header: header.step)
     assert server.stats["protocol_errors"] == 1
