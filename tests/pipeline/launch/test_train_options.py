@@ -69,8 +69,12 @@ def test_early_stopping_stops_and_keeps_the_best_epoch_as_model_and_newest_check
 
     cfg, manifest, spe = digits
     # min_delta far over any change: only the first epoch is ever "better", so patience 1 stops after epoch 2
+    # Rank 0 dawdles through epoch 2 (40 ms a step) so that the driver's checkpointer, which polls every 0.1 s,
+    # writes checkpoints past the best epoch whatever the machine's speed (a fresh-clone CI ran all 19 steps
+    # within one poll, and there was nothing to set aside).
     cfg = with_changes(cfg, train={"early_stopping": {"enabled": True, "metric": "val_loss", "patience": 1,
-                                                      "min_delta": 100.0}, "checkpoint_every": 5})
+                                                      "min_delta": 100.0}, "checkpoint_every": 5},
+                       faults={"delay_rank": 0, "delay_ms": 40, "delay_step": spe})
     result = train(spark, cfg, manifest)
     assert result.stopped["kind"] == "early_stop" and result.stopped["best_epoch"] == 0
     assert result.stopped["best_step"] == spe and result.steps == spe
