@@ -81,13 +81,8 @@ class RendezvousHandler:
         return Offers(meet(ctx.policy, conn, request.offer))
 
 
-def _refusal_locked(policy: Any, conn: Any) -> str | None:
-    """The policy's refusal, with a failed peer named as what it stops here: the meeting, not a step."""
-    refusal = policy.refusal_locked(conn)
-    if refusal is not None and policy.core.abort_reason is None and policy.ledger.failures:
-        ranks, parts = policy.ledger.describe_locked()
-        return f"rank(s) {ranks} failed, so the allreduce rendezvous cannot complete ({parts})"
-    return refusal
+# What a failed peer stops here, in the policy's refusal: the meeting, not the mode's step or run.
+STOPPED = "the allreduce rendezvous"
 
 
 def meet(policy: Any, conn: Any, offer: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,7 +90,7 @@ def meet(policy: Any, conn: Any, offer: dict[str, Any]) -> list[dict[str, Any]]:
     core, roster = policy.core, policy.roster
     deadline = deadline_after(policy.timeout)
     with core.cond:
-        refusal = _refusal_locked(policy, conn)
+        refusal = policy.refusal_locked(conn, STOPPED)
         if refusal is None and conn.rank in roster.offers:
             refusal = f"rank {conn.rank} already sent its rendezvous offer in generation {conn.generation}"
         if refusal is not None:
@@ -103,7 +98,7 @@ def meet(policy: Any, conn: Any, offer: dict[str, Any]) -> list[dict[str, Any]]:
         roster.offers[conn.rank] = offer
         core.cond.notify_all()
         while True:
-            refusal = _refusal_locked(policy, conn)
+            refusal = policy.refusal_locked(conn, STOPPED)
             if refusal is not None:
                 raise Refusal(refusal)
             if len(roster.offers) == policy.world_size:

@@ -79,8 +79,9 @@ class ConsistencyPolicy:
         pass
 
     # -- requests ----------------------------------------------------------------------------------
-    def refusal_locked(self, conn: RankConnection) -> str | None:
-        """Why no request of ``conn`` can be served now (abort, stale generation, failed peer)."""
+    def refusal_locked(self, conn: RankConnection, stopped: str | None = None) -> str | None:
+        """Why no request of ``conn`` can be served now (abort, stale generation, failed peer); ``stopped``
+        names what a failed peer stops when that is not this mode's step or run (the allreduce meeting)."""
         core = self.core
         if core.abort_reason is not None:
             return core.abort_reason
@@ -88,11 +89,11 @@ class ConsistencyPolicy:
             return f"generation {conn.generation} was superseded by generation {core.generation}"
         if self.ledger.failures:
             ranks, parts = self.ledger.describe_locked()
-            return self._failed_peer_text(ranks, parts)
+            return f"rank(s) {ranks} failed, so {stopped or self._what_a_failure_stops()} cannot complete ({parts})"
         return None
 
-    def _failed_peer_text(self, ranks: str, parts: str) -> str:
-        return f"rank(s) {ranks} failed, so the {self.mode} run cannot complete ({parts})"
+    def _what_a_failure_stops(self) -> str:
+        return f"the {self.mode} run"
 
     def _refuse_if_unservable_locked(self, conn: RankConnection) -> None:
         refusal = self.refusal_locked(conn)
@@ -165,9 +166,8 @@ class SyncPolicy(ConsistencyPolicy):
         super().new_generation_locked()
         return discarded
 
-    def _failed_peer_text(self, ranks: str, parts: str) -> str:
-        return (f"rank(s) {ranks} failed, so synchronous step {self.core.version} cannot complete "
-                f"({parts})")
+    def _what_a_failure_stops(self) -> str:
+        return f"synchronous step {self.core.version}"
 
     def _apply(self, grad_sum: torch.Tensor) -> None:
         self.core.optimizer_step(grad_sum, self.world_size)

@@ -194,7 +194,6 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
 def _tell_ps(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskWiring, exc: BaseException) -> None:
     """A FAIL for a failure before this rank connected (its device): peers waiting for it on the server (a
     synchronous step, the allreduce rendezvous) stop now instead of at their deadline. Best effort."""
-    from pipeline.errors import is_retryable
     from pipeline.ps import PSClient
 
     if address is None:
@@ -203,7 +202,7 @@ def _tell_ps(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
         with PSClient(address[0], int(address[1]), rank=plan.rank, secret=wiring.secret,
                       generation=plan.generation, timeout_s=plan.deadlines.step,
                       connect_timeout=plan.deadlines.connect, tls=wiring.pinned) as client:
-            client.fail(f"{type(exc).__name__}: {exc}", retryable=is_retryable(exc))  # never raises
+            client.report_failure(exc)  # connects for its FAIL, never raises
     except Exception:  # the failure row still reports it; this only spares the peers their deadline
         log.debug("rank %d could not tell the parameter server it failed", plan.rank, exc_info=True)
 
