@@ -45,7 +45,9 @@ def model_dir(cfg: PipelineConfig) -> Path | str:
 
 def etl(spark, cfg: PipelineConfig) -> Manifest:
     from pipeline.etl import run_etl
+    from pipeline.launch.hosts import check_shared_storage
 
+    check_shared_storage(spark, cfg, etl=True)
     return run_etl(spark, cfg)
 
 

@@ -354,6 +354,11 @@ class TimeoutsConfig(_Section):
     connect_s: Optional[float] = Field(None, gt=0)
     # Pipeline stage links: activations and activation gradients of one micro-batch.
     link_s: Optional[float] = Field(None, gt=0)
+    # A rank the parameter server has not heard from for this long (no request in flight: not computing
+    # a step, not waiting in one) is named in a WARNING with its host and what happens next, shown on the
+    # progress bar and counted per rank as rank<r>/stall_s in the epoch metrics. Only a warning: the step
+    # deadline (step_s) still decides when the attempt fails. Needs train.backend=ps.
+    stall_s: float = Field(10.0, gt=0)
 
 
 class TrackingConfig(_Section):
@@ -393,6 +398,9 @@ class PipelineConfig(_Section):
     name: str = Field("shardline", pattern=r"^[A-Za-z0-9_.-]+$")
     # Working directory for raw data, shards, and the default MLflow store.
     workdir: str = Field(".shardline", min_length=1)
+    # The workdir (and every other local path) is a mount every host has (NFS, /dbfs): on a cluster whose
+    # executors run on other hosts than the driver, local paths are refused unless this says so.
+    workdir_on_every_host: bool = False
     spark: SparkConfig = Field(default_factory=SparkConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     shards: ShardsConfig = Field(default_factory=ShardsConfig)

@@ -15,6 +15,7 @@ from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError
 from pipeline.launch.attempts import run_attempts
 from pipeline.launch.elastic import fit_workers, stream_plan
+from pipeline.launch.hosts import check_shared_storage
 from pipeline.launch.merge import check_steps, merged_model
 from pipeline.launch.placement import TrainingRun, placement_for
 from pipeline.launch.plans import consistency
@@ -67,6 +68,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     from pipeline.models.state import flat_buffers, join_state
     from pipeline.ps.modes import expected_version
 
+    check_shared_storage(spark, cfg, etl=False)
     cfg = fit_workers(spark, cfg)  # train.min_workers: fewer slots than asked may still train
     replicas, stages = cfg.parallelism.data, cfg.parallelism.pipeline
     workers = cfg.parallelism.tasks  # barrier tasks: one per (replica, stage)
@@ -136,8 +138,10 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     ranks = sorted(({k: v for k, v in r.items() if k not in ("parameters", "buffers")} for r in outcome.rows),
                    key=lambda r: r["rank"])
     log.info("training done: %d steps in %.1fs; ranks ran in %s", outcome.version, seconds,
-             ", ".join(f"{r['rank']}@{r['process']} ({r['device']}{', gpu ' + r['gpu'] if r['gpu'] else ''})"
-                       for r in ranks))
+             ", ".join(f"{r['rank']}@{r['process']} ({r['device']}{', gpu ' + r['gpu'] if r['gpu'] else ''}"
+                       f"{', host ' + r['address'] if r.get('address') else ''})" for r in ranks))
+    for r in ranks:
+        log.info("rank %d imported pipeline from %s", r["rank"], r.get("package"))
     return TrainResult(spec=spec, parameters=join_state(outcome.parameters, outcome.buffers),
                        history=run.progress.history, ranks=ranks,
                        steps=outcome.version, seconds=seconds, ps_stats=outcome.stats, failed_attempts=failed_attempts,

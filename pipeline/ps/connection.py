@@ -7,6 +7,7 @@ the driver's views, always together with the shard's other state.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,17 @@ class RankConnection:
     shm_offer: Any = None  # a shared-memory segment offered, not yet answered (pipeline.ps.shm_offer)
     shm_reserved: int = 0  # bytes of the shard's ps.shared_memory_mb budget its rings hold
     params_in_page: bool = False  # the worker mapped the shared parameter page: PARAMS go as PARAMS_SHARED
+    # Liveness as the driver's stall watch reads it (launch/ps_side/stall.py), written by this connection's
+    # thread only, read without the lock (a float and a bool: a torn read cannot happen, a stale one is
+    # a poll late): when its last request began or ended, and whether one is being served now (a rank
+    # blocked in a synchronous step is waiting, not silent).
+    heard_at: float = field(default_factory=time.monotonic)
+    in_request: bool = False
+    host: str = ""  # the address the rank connected from
+
+    def silent_s(self, now: float) -> float:
+        """Seconds since this rank was last heard, 0 while one of its requests is being served."""
+        return 0.0 if self.in_request else max(0.0, now - self.heard_at)
 
 
 @dataclass
@@ -52,6 +64,11 @@ class Roster:
         if self.connected.get(conn.rank) is conn:
             self.finished.add(conn.rank)
             self.release_locked(conn)
+
+    def silences_locked(self) -> dict[int, tuple[float, str]]:
+        """{rank: (seconds silent, host)} of the connected ranks."""
+        now = time.monotonic()
+        return {rank: (conn.silent_s(now), conn.host) for rank, conn in self.connected.items()}
 
     def never_connected_locked(self, ranks: list[int]) -> list[int]:
         return [r for r in ranks if r not in self.connected and r not in self.finished]

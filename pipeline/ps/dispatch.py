@@ -10,6 +10,7 @@ started frame does have a deadline. A drop before FINISH is a failure of that ra
 from __future__ import annotations
 
 import contextlib
+import time
 import logging
 from typing import Any, ContextManager, Generic, Protocol, TypeVar
 
@@ -271,12 +272,14 @@ def _serve_requests(ctx: RequestContext, conn: RankConnection, peer: tuple) -> N
     while True:
         try:
             header = channel.recv_header(None, tensor_dtypes=ctx.push_dtypes)  # idle: no deadline
+            conn.heard_at, conn.in_request = time.monotonic(), True
             if header.generation != conn.generation or header.rank != conn.rank:
                 raise ProtocolError(
                     f"frame for rank {header.rank} generation {header.generation} on the connection "
                     f"of rank {conn.rank} generation {conn.generation}")
             if serve_request(ctx, conn, header):
                 return
+            conn.heard_at, conn.in_request = time.monotonic(), False
         except PeerClosedError:
             ctx.record_drop(conn, "closed its connection to the parameter server before FINISH")
             return

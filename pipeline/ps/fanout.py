@@ -125,6 +125,18 @@ class ServerGroup(Generic[M]):
         return set().union(*(self._ranks(i, m.registered_ranks) for i, m in enumerate(self.members)))
 
     @property
+    def silences(self) -> dict[int, tuple[float, str]]:
+        """{rank: (seconds since it was last heard, host)}: a rank any member heard recently is not silent.
+        Members that cannot tell (shard processes behind a proxy) add nothing."""
+        out: dict[int, tuple[float, str]] = {}
+        for index, member in enumerate(self.members):
+            for local, (silent, host) in (getattr(member, "silences", None) or {}).items():
+                rank = self._ranks(index, {local}).pop()
+                if rank not in out or silent < out[rank][0]:
+                    out[rank] = (silent, host or out.get(rank, (0.0, ""))[1])
+        return out
+
+    @property
     def finished_ranks(self) -> set[int]:
         """Ranks that finished with every member that serves them."""
         per = [self._ranks(i, m.finished_ranks) for i, m in enumerate(self.members)]

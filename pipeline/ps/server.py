@@ -286,6 +286,11 @@ class ParameterServer:
         return self._shards[0].root_failures
 
     @property
+    def silences(self) -> dict[int, tuple[float, str]]:
+        """{rank: (seconds since it was last heard, host)} of the ranks connected now."""
+        return self._group.silences
+
+    @property
     def registered_ranks(self) -> set[int]:
         """Ranks that authenticated with any shard in this generation."""
         return self._group.registered_ranks

@@ -238,6 +238,12 @@ class ShardServer:
             return self._ledger.root_failures_locked()
 
     @property
+    def silences(self) -> dict[int, tuple[float, str]]:
+        """{rank: (seconds since it was last heard, its host)} of the ranks connected now."""
+        with self._cond:
+            return self._roster.silences_locked()
+
+    @property
     def registered_ranks(self) -> set[int]:
         """Ranks that authenticated in this generation (connected now, finished or failed since)."""
         with self._cond:
@@ -349,7 +355,8 @@ class ShardServer:
                 reason = f"rank {rank} is already connected in generation {core.generation}"
             if reason is not None:
                 raise HandshakeRejected(reason, ERROR, generation=claim.generation, rank=rank)
-            conn = RankConnection(rank, core.generation, channel, bytearray(self._push_buf_bytes))
+            conn = RankConnection(rank, core.generation, channel, bytearray(self._push_buf_bytes),
+                                  host=_peer_host(channel))
             self._roster.add_locked(conn)
             version = core.version
             clock = self._policy.clock_on_connect_locked(rank)
@@ -446,3 +453,10 @@ class ShardServer:
 
     def send_params(self, conn: RankConnection, version: int) -> None:
         self._core.send_params(conn, version)
+
+
+def _peer_host(channel) -> str:
+    try:
+        return str(channel.sock.getpeername()[0])
+    except (OSError, AttributeError, IndexError):  # already gone, or not a socket (a test's stand-in)
+        return ""

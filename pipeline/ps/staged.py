@@ -169,6 +169,11 @@ class StagedParameterServer:
         return {f.rank: f for f in chosen}
 
     @property
+    def silences(self) -> dict[int, tuple[float, str]]:
+        """{rank: (seconds since it was last heard, host)} of the ranks connected now."""
+        return self._group.silences
+
+    @property
     def registered_ranks(self) -> set[int]:
         return self._group.registered_ranks
 

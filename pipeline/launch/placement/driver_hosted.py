@@ -50,6 +50,8 @@ class DriverPS:
         self._bar = None
         self.monitor = None  # train.early_stopping / train.divergence (launch/monitor.py)
         self._server_timing = None  # train.profile: pipeline.ps.timing.EpochTiming
+        self._stall = None  # timeouts.stall_s: silent ranks named (launch/ps_side/stall.py); ps backend only
+        self._attempt = 1
 
     def __enter__(self) -> "DriverPS":
         from pipeline.checkpoints import Checkpointer
@@ -91,6 +93,12 @@ class DriverPS:
                 run.store, self._snapshot, lambda: self.server.version, cfg.train.checkpoint_every,
                 enabled=not run.allreduce))
             self._bar = StepProgress(lambda: self.server.version, run.expected_version)
+            if not run.allreduce:  # allreduce ranks talk to the PS only per epoch: silence is their normal
+                from pipeline.launch.ps_side.stall import StallWatch
+
+                self._stall = StallWatch(self.server, cfg.parallelism.tasks, stall_s=cfg.timeouts.stall_s,
+                                         step=deadlines(cfg).step, next_step=self._after_stall, show=self._bar.note)
+                run.progress.before_announce = lambda row: row.update(self._stall.epoch_metrics())
             from pipeline.launch.monitor import training_monitor
 
             self.monitor = training_monitor(cfg, snapshot=self._best_snapshot, abort=self.server.fail,
@@ -152,8 +160,10 @@ class DriverPS:
         watchdog = StageWatchdog(server, cfg.parallelism.tasks, connect_timeout_s=deadlines(cfg).connect,
                                  grace_s=failed_attempt_grace(cfg), cancel=lambda reason: interrupt(run.spark, tag))
         log.info("barrier attempt %d (generation %d) from step %d", attempt, server.generation, server.version)
+        self._attempt = attempt
+        guards = (watchdog, self._bar) + ((self._stall,) if self._stall is not None else ())
         try:
-            rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.tasks, tag=tag, guards=(watchdog, self._bar),
+            rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.tasks, tag=tag, guards=guards,
                                    on_job_error=lambda exc: self._job_failure(exc, attempt, watchdog))
             raise_for_failed_rows(rows, list(server.root_failures), attempt, first_cause_only=run.allreduce)
         except WorkerTrainingFailedError as failure:
@@ -165,6 +175,14 @@ class DriverPS:
                                                 server_error=died) from failure
             raise
         return rows
+
+    def _after_stall(self) -> str:
+        """What the driver does once the step deadline fails a stalled attempt, for the stall WARNING."""
+        most = self.run.cfg.train.max_attempts
+        if self._attempt >= most:
+            return f"the run fails: attempt {self._attempt} is the last that train.max_attempts={most} allows"
+        return (f"attempt {self._attempt + 1} of {most} (train.max_attempts) starts from the parameter server's "
+                "state, on the slots the cluster has then")
 
     def _job_failure(self, exc: BaseException, attempt: int, watchdog) -> WorkerTrainingFailedError:
         server = self.server

@@ -25,6 +25,8 @@ class EpochProgress:
         self._pending: dict[int, dict[int, dict]] = {}
         self._lock = threading.Lock()
         self._on_epoch = on_epoch
+        # Driver-side figures for the row before it is logged (the stall watch's rank<r>/stall_s).
+        self.before_announce: Optional[Callable[[dict], None]] = None
 
     def __call__(self, rank: int, metrics: dict) -> None:
         lines = metrics.get("log")
@@ -45,10 +47,14 @@ class EpochProgress:
         self._announce(row)
 
     def _announce(self, row: dict) -> None:
-        log.info("epoch %d/%d | %.0f samples/s | train loss %.4f%s%s", row["epoch"] + 1, self.epochs,
+        if self.before_announce is not None:
+            self.before_announce(row)
+        stalled = {k.split("/")[0][4:]: v for k, v in row.items() if k.endswith("/stall_s") and v > 0}
+        log.info("epoch %d/%d | %.0f samples/s | train loss %.4f%s%s%s", row["epoch"] + 1, self.epochs,
                  row["samples_per_s"], row["train_loss"],
                  f" | val loss {row['val_loss']:.4f}" if "val_loss" in row else "",
-                 f" | val acc {row['val_accuracy']:.4f}" if "val_accuracy" in row else "")
+                 f" | val acc {row['val_accuracy']:.4f}" if "val_accuracy" in row else "",
+                 f" | silent: {', '.join(f'rank {r} {s:.1f}s' for r, s in stalled.items())}" if stalled else "")
         if self._on_epoch is not None:
             self._on_epoch(row)
 
@@ -169,6 +175,8 @@ class StepProgress:
         self._thread: Optional[threading.Thread] = None
         self._bar = None
         self._shown_loss: Optional[float] = None
+        self._note: Optional[str] = None
+        self._shown_note: Optional[str] = None
         self.notebook = stream is None and issubclass(auto_bar, notebook_bar)  # an IPython kernel with widgets
         if self.notebook:
             self._bar_class, self._stream = auto_bar, None
@@ -182,6 +190,10 @@ class StepProgress:
 
     def update_loss(self, row: dict) -> None:
         self._loss = row.get("train_loss", self._loss)
+
+    def note(self, text: Optional[str]) -> None:
+        """A state to show beside the loss (the stall watch's silent ranks); None clears it."""
+        self._note = text
 
     def __enter__(self) -> "StepProgress":
         self._stop.clear()  # entered once per barrier attempt: a retry draws a bar of its own
@@ -209,9 +221,10 @@ class StepProgress:
 
     def _draw(self) -> None:
         bar = self._bar
-        if self._loss is not None and self._loss != self._shown_loss:
-            self._shown_loss = self._loss
-            bar.set_postfix_str(f"loss {self._loss:.4f}", refresh=False)
+        if (self._loss, self._note) != (self._shown_loss, self._shown_note):
+            self._shown_loss, self._shown_note = self._loss, self._note
+            parts = ([f"loss {self._loss:.4f}"] if self._loss is not None else []) + ([self._note] if self._note else [])
+            bar.set_postfix_str(" | ".join(parts), refresh=False)
         done = min(self._version(), self._total)
         if done > bar.n:
             bar.update(done - bar.n)

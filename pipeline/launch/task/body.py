@@ -10,7 +10,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from pipeline.launch.task.rows import failure_row, to_batches
+from pipeline.launch.task.rows import failure_row, task_origin, to_batches
 from pipeline.worker.device import bind_device, choose_device
 from pipeline.worker.plan import WorkerPlan
 
@@ -178,7 +178,7 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
                 "steps": result.steps, "samples": result.samples, "seconds": result.seconds,
                 "final_train_loss": result.final_train_loss, "process": process, "device": result.device,
                 "gpu": gpu, "parameters_digest": result.parameters_digest, "parameters": result.parameters,
-                "ps_report": None, "buffers": result.buffers}
+                "ps_report": None, "buffers": result.buffers, **task_origin()}
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver as a row
         error = f"{type(exc).__name__}: {exc}"
         if plan.stage is not None:  # name the stage too: a pipeline failure is located by (rank, stage)

@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 RESULT_SCHEMA = ("rank int, ok boolean, error string, log_tail string, retryable boolean, "
                  "steps long, samples long, seconds double, final_train_loss double, process string, "
                  "device string, gpu string, parameters_digest string, chunk int, parameters binary, "
-                 "ps_report string, buffers binary")
+                 "ps_report string, buffers binary, address string, package string")
 # Parameters travel as rows of at most this many bytes (chunk 0 carries the rank's other fields).
 CHUNK_BYTES = 32 << 20
 _REPORT_TAG = "shardline-task-ps-failure:"
@@ -25,7 +25,25 @@ def failure_row(rank: int, error: Optional[str], tail: str, process: str = "", r
     return {"rank": rank, "ok": False, "error": error, "log_tail": tail, "retryable": retryable, "steps": None,
             "samples": None, "seconds": None, "final_train_loss": None, "process": process, "device": None,
             "gpu": None, "parameters_digest": None, "chunk": 0, "parameters": None, "ps_report": None,
-            "buffers": None}
+            "buffers": None, **task_origin()}
+
+
+def task_origin() -> dict:
+    """Where this rank ran and what it ran: its executor's address as Spark knows it (None outside a
+    barrier task), and the file `pipeline` was imported from, which on a cluster must be what spark-submit
+    shipped (--py-files, --archives) or the cluster image, never a driver-side checkout."""
+    import pipeline
+
+    address = None
+    try:
+        from pyspark import BarrierTaskContext
+
+        context = BarrierTaskContext.get()
+        if context is not None:
+            address = context.getTaskInfos()[context.partitionId()].address.rsplit(":", 1)[0]
+    except Exception:  # not in a barrier task (a test calling run_rank directly): no address to report
+        address = None
+    return {"address": address, "package": pipeline.__file__}
 
 
 def arrow_schema():
@@ -37,7 +55,7 @@ def arrow_schema():
                       ("device", pa.string()), ("gpu", pa.string()), ("parameters_digest", pa.string()),
                       ("chunk", pa.int32()), ("parameters", pa.binary()), ("ps_report", pa.string()),
                       # The model's buffers (pipeline.models.state), in chunk 0: small next to parameters.
-                      ("buffers", pa.binary())])
+                      ("buffers", pa.binary()), ("address", pa.string()), ("package", pa.string())])
 
 
 def to_batches(row: dict) -> Iterator:

@@ -1,0 +1,136 @@
+"""Driver side: the hosts a Spark cluster runs executors on, as Spark sees them now.
+
+Two checks read it. Before the ETL and training: on a cluster whose executors live on other hosts than
+the driver, every path the executors read or write must be on storage they share (a local workdir is
+refused at once, naming `workdir` and the fix, instead of failing later on a missing shard). Before each
+barrier attempt (``SlotCheck``): the barrier needs its task slots now, and a host that left takes its
+slots with it; Spark itself would loop "Barrier stage ... requires N slots, but only M are available"
+for minutes without a line from us.
+
+Where the numbers come from: Spark's status store (``SparkContext.statusStore().executorList``), the one
+that feeds the UI's executors page; it is kept with the UI off too. Classic sessions only: a Spark
+Connect client cannot see executors, and every function here then answers None (no check).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from pipeline.config.schema import PipelineConfig
+from pipeline.config.workdir import Workdir
+from pipeline.errors import ConfigError
+from pipeline.storage import is_remote
+
+log = logging.getLogger(__name__)
+# Cluster managers start executors after the application: how long the shared-path check waits for the
+# first to register before it decides from what is there (Spark's own scheduler waits up to 30 s too:
+# spark.scheduler.maxRegisteredResourcesWaitingTime).
+FIRST_EXECUTOR_WAIT_S = 30.0
+_SINGLE_HOST_MASTERS = ("local", "local-cluster")
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The driver's address and the live executors' task slots per host address."""
+
+    driver: str
+    slots: dict[str, int]
+
+    @property
+    def remote_hosts(self) -> list[str]:
+        """Executor hosts other than the driver's."""
+        return sorted(h for h in self.slots if h != self.driver)
+
+    @property
+    def total_slots(self) -> int:
+        return sum(self.slots.values())
+
+
+def _context(spark):
+    try:
+        return spark.sparkContext  # a Connect session raises here
+    except Exception:
+        return None
+
+
+def cluster_view(spark) -> Optional[ClusterView]:
+    """What Spark knows of its executors now, or None where the session cannot tell (Spark Connect)."""
+    sc = _context(spark)
+    if sc is None:
+        return None
+    try:
+        task_cpus = int(sc.getConf().get("spark.task.cpus", "1") or 1)
+        executors = sc._jsc.sc().statusStore().executorList(True)  # active executors only
+        slots: dict[str, int] = {}
+        driver = sc.getConf().get("spark.driver.host", "") or ""
+        for i in range(executors.size()):
+            summary = executors.apply(i)
+            host = summary.hostPort().rsplit(":", 1)[0]
+            if summary.id() == "driver":
+                driver = driver or host
+                continue
+            slots[host] = slots.get(host, 0) + int(summary.totalCores()) // task_cpus
+        return ClusterView(driver, slots)
+    except Exception:  # a JVM API that moved: no view rather than a failed run
+        log.debug("cannot read the executors from Spark's status store", exc_info=True)
+        return None
+
+
+def _is_local_master(spark) -> bool:
+    sc = _context(spark)
+    master = sc.master if sc is not None else ""
+    return master.split("[", 1)[0] in _SINGLE_HOST_MASTERS
+
+
+def wait_for_executors(spark, wait_s: float = FIRST_EXECUTOR_WAIT_S) -> Optional[ClusterView]:
+    """The cluster view once an executor has registered (or after ``wait_s``); local masters at once."""
+    view = cluster_view(spark)
+    if view is None or _is_local_master(spark):
+        return view
+    deadline = time.monotonic() + wait_s
+    while not view.slots and time.monotonic() < deadline:
+        time.sleep(0.25)
+        view = cluster_view(spark) or view
+    return view
+
+
+def executor_paths(cfg: PipelineConfig, *, etl: bool) -> list[tuple[str, str]]:
+    """(config key, path) of every path executors read or write in this step: the ETL's source and the
+    shard set it writes; training's shard set, and its checkpoints where the PS runs in a task."""
+    where = Workdir.of(cfg)
+    data = cfg.data
+    paths = [("data.shards_dir" if data.shards_dir else "workdir", str(where.shards))]
+    if etl:
+        generated = {"digits": where.raw_digits, "digits_images": where.raw_digits_images,
+                     "synthetic": where.raw_synthetic, "clicks": where.raw_clicks}
+        if data.source in generated:
+            paths.append(("data.path" if data.path else "workdir", str(generated[data.source])))
+        elif data.source != "table" and data.path:
+            paths.append(("data.path", data.path))
+    if not etl and cfg.ps.placement == "task":
+        paths.append(("train.checkpoint_dir" if cfg.train.checkpoint_dir else "workdir", where.checkpoints))
+    return paths
+
+
+def check_shared_storage(spark, cfg: PipelineConfig, *, etl: bool) -> None:
+    """Refuse local paths that executors on other hosts would need (unless ``workdir_on_every_host``)."""
+    if cfg.workdir_on_every_host or _is_local_master(spark):
+        return
+    local = [(key, path) for key, path in executor_paths(cfg, etl=etl)
+             if not is_remote(path) and not path.startswith(("dbfs:", "/dbfs/"))]
+    if not local:
+        return
+    view = wait_for_executors(spark)
+    if view is None or not view.remote_hosts:
+        return
+    keys = sorted({key for key, _ in local})
+    listed = "; ".join(f"{path} ({key})" for key, path in local)
+    raise ConfigError(
+        f"{' and '.join(keys)} point at local paths ({listed}), but this cluster runs executors on other hosts "
+        f"({', '.join(view.remote_hosts)}) than the driver ({view.driver}), and those hosts cannot read this "
+        f"machine's disk. Put what the hosts share on shared storage: workdir's shard set as "
+        f"data.shards_dir=s3://<bucket>/shards/{cfg.name}, the source as data.source=parquet with "
+        f"data.path=s3://... (and train.checkpoint_dir, train.model_dir on it too); or, if workdir={cfg.workdir} "
+        "is a mount every host has (NFS, /dbfs), set workdir_on_every_host=true")
