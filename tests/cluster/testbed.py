@@ -160,11 +160,9 @@ class Testbed:
     def down(self) -> None:
         """Stop every daemon by its own pid (and whatever else runs in the namespaces), remove the links,
         the namespaces and the bridge. Never raises: it runs in `finally`."""
-        for pid in [h.pid for h in self.hosts] + [self.master_pid, self.s3_pid]:
-            _kill_tree(pid)
+        _kill_trees([h.pid for h in self.hosts] + [self.master_pid, self.s3_pid])
+        _kill_trees([pid for host in self.hosts for pid in _netns_pids(host.netns)])
         for host in self.hosts:
-            for pid in _netns_pids(host.netns):
-                _kill_tree(pid)
             _run("ip", "netns", "del", host.netns, check=False)
             _run("ip", "link", "del", host.veth, check=False)
         if self.bridge:
@@ -405,22 +403,34 @@ def _netns_pids(netns: str) -> list[int]:
     return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
 
 
-def _kill_tree(pid: Optional[int]) -> None:
-    """SIGTERM the process group a daemon leads (start_new_session), then SIGKILL what is left."""
-    if not pid:
-        return
-    for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + pause
-        while time.monotonic() < deadline:
+def _kill_trees(pids: list[Optional[int]], grace_s: float = 3.0) -> None:
+    """SIGTERM the process groups these daemons lead (start_new_session) and the processes themselves,
+    wait up to `grace_s` for all of them together, then SIGKILL what is left."""
+    pids = [p for p in pids if p]
+
+    def signal_all(sig) -> None:
+        for pid in pids:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def alive() -> bool:
+        for pid in pids:
             try:
-                os.killpg(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
+                os.kill(pid, 0)
+                if Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0:
+                    return True
+            except (ProcessLookupError, FileNotFoundError):
+                continue
+        return False
+
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    signal_all(signal.SIGKILL)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 from typing import Iterator, Optional
 
@@ -43,7 +44,7 @@ def task_origin() -> dict:
             address = context.getTaskInfos()[context.partitionId()].address.rsplit(":", 1)[0]
     except Exception:  # not in a barrier task (a test calling run_rank directly): no address to report
         address = None
-    return {"address": address, "package": pipeline.__file__}
+    return {"address": address, "package": os.path.abspath(pipeline.__file__)}  # relative to the executor cwd
 
 
 def arrow_schema():
