@@ -359,6 +359,9 @@ class TimeoutsConfig(_Section):
     # progress bar and counted per rank as rank<r>/stall_s in the epoch metrics. Only a warning: the step
     # deadline (step_s) still decides when the attempt fails. Needs train.backend=ps.
     stall_s: float = Field(10.0, gt=0)
+    # Before a retry, how long the driver waits for the barrier's task slots to be back (a lost executor's
+    # replacement starting) before it shrinks the run (train.min_workers) or fails, naming the hosts that left.
+    slots_s: float = Field(15.0, gt=0)
 
 
 class TrackingConfig(_Section):

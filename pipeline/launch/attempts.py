@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
-from pipeline.errors import WorkerFailure, WorkerTrainingFailedError
+from pipeline.errors import ShardlineError, WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.retry import FailureAccount, RetryPolicy, StateAfterFailure, Verdict, given_up
 from pipeline.launch.task.rows import RESULT_SCHEMA, merge_chunks
 
@@ -42,8 +42,9 @@ class Placement(Protocol):
         """Make the next attempt start as ``verdict`` says; raise WorkerTrainingFailedError when it cannot."""
 
 
-def run_attempts(placement: Placement, policy: RetryPolicy) -> tuple[list[dict], list[dict]]:
-    """Attempts until one succeeds: (its rows, one entry per failed attempt that was retried)."""
+def run_attempts(placement: Placement, policy: RetryPolicy, slots=None) -> tuple[list[dict], list[dict]]:
+    """Attempts until one succeeds: (its rows, one entry per failed attempt that was retried). ``slots``
+    (a ``slot_check.SlotCheck``) checks before each retry that the barrier's task slots are there."""
     failed_attempts: list[dict] = []
     attempt = 1
     while True:
@@ -57,6 +58,12 @@ def run_attempts(placement: Placement, policy: RetryPolicy) -> tuple[list[dict],
             start = placement.prepare_retry(attempt, failure, decision.verdict)
             failed_attempts.append({"attempt": attempt, "ranks": sorted(failure.failures), "step": start.step,
                                     "error": str(failure)[:4000]})
+            if slots is not None:
+                try:
+                    slots.before_retry(attempt, failure)  # may shrink the run (ClusterShrank) or end it
+                except ShardlineError as stop:
+                    stop.failed_attempts = failed_attempts  # the shrunk run carries them on
+                    raise
             log.warning("attempt %d of %d failed; retrying from %s\n%s", attempt, policy.max_attempts,
                         start.description, failure)
             attempt += 1

@@ -32,11 +32,27 @@ _SINGLE_HOST_MASTERS = ("local", "local-cluster")
 
 
 @dataclass(frozen=True)
+class Executor:
+    id: str
+    host: str
+    port: int
+    slots: int
+
+
+@dataclass(frozen=True)
 class ClusterView:
-    """The driver's address and the live executors' task slots per host address."""
+    """The driver's address and the live executors."""
 
     driver: str
-    slots: dict[str, int]
+    executors: tuple[Executor, ...]
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """Task slots per host address."""
+        out: dict[str, int] = {}
+        for e in self.executors:
+            out[e.host] = out.get(e.host, 0) + e.slots
+        return out
 
     @property
     def remote_hosts(self) -> list[str]:
@@ -45,7 +61,10 @@ class ClusterView:
 
     @property
     def total_slots(self) -> int:
-        return sum(self.slots.values())
+        return sum(e.slots for e in self.executors)
+
+    def without(self, ids: set[str]) -> "ClusterView":
+        return ClusterView(self.driver, tuple(e for e in self.executors if e.id not in ids))
 
 
 def _context(spark):
@@ -62,17 +81,17 @@ def cluster_view(spark) -> Optional[ClusterView]:
         return None
     try:
         task_cpus = int(sc.getConf().get("spark.task.cpus", "1") or 1)
-        executors = sc._jsc.sc().statusStore().executorList(True)  # active executors only
-        slots: dict[str, int] = {}
+        summaries = sc._jsc.sc().statusStore().executorList(True)  # active executors only
         driver = sc.getConf().get("spark.driver.host", "") or ""
-        for i in range(executors.size()):
-            summary = executors.apply(i)
-            host = summary.hostPort().rsplit(":", 1)[0]
+        executors = []
+        for i in range(summaries.size()):
+            summary = summaries.apply(i)
+            host, port = summary.hostPort().rsplit(":", 1)
             if summary.id() == "driver":
                 driver = driver or host
                 continue
-            slots[host] = slots.get(host, 0) + int(summary.totalCores()) // task_cpus
-        return ClusterView(driver, slots)
+            executors.append(Executor(summary.id(), host, int(port), int(summary.totalCores()) // task_cpus))
+        return ClusterView(driver, tuple(executors))
     except Exception:  # a JVM API that moved: no view rather than a failed run
         log.debug("cannot read the executors from Spark's status store", exc_info=True)
         return None

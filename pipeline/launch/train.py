@@ -22,6 +22,7 @@ from pipeline.launch.plans import consistency
 from pipeline.launch.preflight import check_barrier_slots, check_result_size
 from pipeline.launch.ps_side.progress import EpochProgress
 from pipeline.launch.retry import RetryPolicy
+from pipeline.launch.slot_check import ClusterShrank, SlotCheck
 from pipeline.models import ModelSpec, build_model, flat_parameters, model_spec
 from pipeline.shards import Manifest, steps_per_epoch
 
@@ -125,14 +126,19 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                       stream=stream)
     placement = placement_for(run)
     policy = RetryPolicy(cfg.train.max_attempts)
+    slots = SlotCheck(spark, workers, cfg.train.min_workers, cfg.timeouts.slots_s)
     started = time.perf_counter()
-    with placement:
-        rows, failed_attempts = run_attempts(placement, policy)
-        outcome = placement.outcome(rows)
-        if getattr(placement, "sparse", None) is not None:  # ps.sparse: the trained rows next to the model
-            from pipeline.launch.sparse_tables import with_trained_tables
+    try:
+        with placement:
+            rows, failed_attempts = run_attempts(placement, policy, slots)
+            outcome = placement.outcome(rows)
+            if getattr(placement, "sparse", None) is not None:  # ps.sparse: the trained rows next to the model
+                from pipeline.launch.sparse_tables import with_trained_tables
 
-            spec = with_trained_tables(cfg, spec, placement.server)
+                spec = with_trained_tables(cfg, spec, placement.server)
+    except ClusterShrank as shrink:  # the PS is closed by now: the smaller run starts its own
+        return _go_on_smaller(spark, cfg, manifest, shrink, on_epoch=on_epoch, checkpoint_extra=checkpoint_extra,
+                              initial_parameters=initial_parameters, stoppable=stoppable)
     seconds = time.perf_counter() - started
     check_steps(outcome.version, outcome.expected)
     ranks = sorted(({k: v for k, v in r.items() if k not in ("parameters", "buffers")} for r in outcome.rows),
@@ -147,6 +153,20 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
                        steps=outcome.version, seconds=seconds, ps_stats=outcome.stats, failed_attempts=failed_attempts,
                        resumed_from_step=None if resumed is None else int(resumed["step"]),
                        stopped=outcome.stopped)
+
+
+def _go_on_smaller(spark, cfg: PipelineConfig, manifest: Manifest, shrink: ClusterShrank, **kwargs) -> TrainResult:
+    """train.min_workers after hosts left mid-run: the same run on the slots that are left, from the
+    newest checkpoint (the PS saved one after the failed attempt) as an elastic resume (elastic.py) with
+    exact step accounting; allreduce keeps no state outside its replicas, so it starts over."""
+    from pipeline.config.loader import with_changes
+
+    stateful = cfg.train.backend != "allreduce"
+    log.warning("ELASTIC RETRY: %s; training goes on with %d workers from %s", shrink, shrink.slots,
+                "the newest checkpoint" if stateful else "the start (allreduce keeps no server state)")
+    result = train(spark, with_changes(cfg, parallelism={"data": shrink.slots}), manifest, resume=stateful, **kwargs)
+    result.failed_attempts = list(getattr(shrink, "failed_attempts", [])) + result.failed_attempts
+    return result
 
 
 def _check_sparse(cfg: PipelineConfig, model) -> None:

@@ -113,6 +113,11 @@ class ClusterRun:
             self.proc.kill()
             self.proc.wait()
 
+    def ranks_hosts(self, timeout_s: float) -> dict[int, str]:
+        """{rank: the host it connected to the PS from}, from the newest attempt's connect lines."""
+        self.wait_for(r"rank 1 connected from", timeout_s)
+        return {int(rank): host for rank, host in re.findall(r"rank (\d+) connected from \('([\d.]+)'", self.output)}
+
     def test_metrics(self) -> dict:
         match = re.search(r"test metrics: (\{.*\})", self.output)
         assert match, self.output[-6000:]

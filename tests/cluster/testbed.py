@@ -311,6 +311,13 @@ class Testbed:
         self._save()
         return pids
 
+    def revive(self, index: int, cores: int = 1, memory: str = "1g") -> None:
+        """Power host `index` back on: its link up and a fresh Spark worker registered with the master."""
+        self.heal(index)
+        registered = _read(Path(self.root, "master.log")).count("Registering worker")
+        self._start_worker(self.host(index), cores, memory)
+        self.wait_workers(registered + 1)
+
     def counters(self) -> dict[str, dict[str, int]]:
         """Each worker link's byte counters, as the root-namespace end sees them: tx = towards the host."""
         out = {}
