@@ -14,7 +14,9 @@ Connect client cannot see executors, and every function here then answers None (
 from __future__ import annotations
 
 import logging
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 # first to register before it decides from what is there (Spark's own scheduler waits up to 30 s too:
 # spark.scheduler.maxRegisteredResourcesWaitingTime).
 FIRST_EXECUTOR_WAIT_S = 30.0
+PROBE_S = 2.0  # a live executor on a reachable host accepts within milliseconds
 _SINGLE_HOST_MASTERS = ("local", "local-cluster")
 
 
@@ -95,6 +98,50 @@ def cluster_view(spark) -> Optional[ClusterView]:
     except Exception:  # a JVM API that moved: no view rather than a failed run
         log.debug("cannot read the executors from Spark's status store", exc_info=True)
         return None
+
+
+def unreachable(executors: list[Executor]) -> list[Executor]:
+    """The executors that do not accept a TCP connection within PROBE_S (probed all at once)."""
+    if not executors:
+        return []
+    with ThreadPoolExecutor(max_workers=min(len(executors), 32)) as pool:
+        answers = list(pool.map(_answers, executors))
+    return [e for e, alive in zip(executors, answers) if not alive]
+
+
+def _answers(executor: Executor) -> bool:
+    try:
+        with socket.create_connection((executor.host, executor.port), timeout=PROBE_S):
+            return True
+    except OSError:
+        return False
+
+
+def declare_lost(spark, executor: Executor) -> None:
+    """Tell Spark an unreachable executor is gone, as its own heartbeat expiry would (HeartbeatReceiver:
+    killAndReplaceExecutor, then TaskScheduler.executorLost), instead of after spark.network.timeout: its
+    tasks fail now, so a barrier job waiting on them ends, and no later stage is scheduled onto it."""
+    log.warning("host %s does not answer: executor %s (%s:%d) did not accept a connection within %gs; Spark is "
+                "told it is lost, and its %d slot(s) no longer count", executor.host, executor.id, executor.host,
+                executor.port, PROBE_S, executor.slots)
+    try:
+        sc = spark.sparkContext._jsc.sc()
+        jvm = spark.sparkContext._jvm
+        sc.killExecutor(executor.id)
+        reason = jvm.org.apache.spark.scheduler.ExecutorProcessLost(
+            f"host {executor.host} unreachable (shardline's probe)", jvm.scala.Option.apply(None), False)
+        sc.taskScheduler().executorLost(executor.id, reason)
+    except Exception:  # best effort: the slot count leaves it out either way
+        log.warning("could not tell Spark that executor %s is lost", executor.id, exc_info=True)
+
+
+def give_up_unreachable(spark) -> list[Executor]:
+    """Probe the executors Spark lists; declare the ones that do not answer lost. Returns those."""
+    view = cluster_view(spark)
+    gone = unreachable(list(view.executors)) if view is not None else []
+    for executor in gone:
+        declare_lost(spark, executor)
+    return gone
 
 
 def _is_local_master(spark) -> bool:

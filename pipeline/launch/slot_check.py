@@ -6,8 +6,9 @@ more times", 15 s apart, ~8 minutes), and a host cut off (its link down, no FIN,
 books until its heartbeats time out (spark.network.timeout, 120 s by default), so the next attempt would
 be scheduled onto it and wait out the connect deadline. So before each retry the driver:
 
-1. probes every executor Spark lists with a TCP connect (``PROBE_S``, all at once): one that does not
-   answer is removed from the slots, and Spark is told to give it up (``SparkContext.killExecutor``);
+1. probes every executor Spark lists with a TCP connect (``hosts.PROBE_S``, all at once): one that does
+   not answer is removed from the slots, and Spark is told it is lost (``hosts.declare_lost``; the stage
+   watchdog does the same when it cancels a stage whose tasks do not stop);
 2. waits up to ``timeouts.slots_s`` for the slots to be back (a crashed executor's replacement starting);
 3. then either retries on them, shrinks the run to the slots there are (``ClusterShrank``, which
    ``launch.train`` turns into an elastic resume from the newest state, with ``train.min_workers``), or
@@ -16,16 +17,13 @@ be scheduled onto it and wait out the connect deadline. So before each retry the
 from __future__ import annotations
 
 import logging
-import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from pipeline.errors import ShardlineError, WorkerTrainingFailedError
-from pipeline.launch.hosts import ClusterView, Executor, cluster_view
+from pipeline.launch.hosts import ClusterView, cluster_view, declare_lost, unreachable
 
 log = logging.getLogger(__name__)
-PROBE_S = 2.0  # a live executor on a reachable host accepts within milliseconds
 SLOTS_KEY = "timeouts.slots_s"
 
 
@@ -36,14 +34,6 @@ class ClusterShrank(ShardlineError):
         self.slots = slots
         self.failure = failure
         super().__init__(message)
-
-
-def _answers(executor: Executor) -> bool:
-    try:
-        with socket.create_connection((executor.host, executor.port), timeout=PROBE_S):
-            return True
-    except OSError:
-        return False
 
 
 class SlotCheck:
@@ -73,24 +63,10 @@ class SlotCheck:
         self._fall_short(view, attempt, failure)
 
     def _drop_unreachable(self, view: ClusterView) -> ClusterView:
-        fresh = [e for e in view.executors if e.id not in self._gone]
-        if fresh:
-            with ThreadPoolExecutor(max_workers=min(len(fresh), 32)) as pool:
-                answers = list(pool.map(_answers, fresh))
-            for executor, alive in zip(fresh, answers):
-                if not alive:
-                    self._give_up(executor)
+        for executor in unreachable([e for e in view.executors if e.id not in self._gone]):
+            self._gone.add(executor.id)
+            declare_lost(self._spark, executor)
         return view.without(self._gone)
-
-    def _give_up(self, executor: Executor) -> None:
-        self._gone.add(executor.id)
-        log.warning("host %s does not answer: executor %s (%s:%d) did not accept a connection within %gs; its %d "
-                    "slot(s) no longer count, and Spark is told to give it up", executor.host, executor.id,
-                    executor.host, executor.port, PROBE_S, executor.slots)
-        try:
-            self._spark.sparkContext._jsc.sc().killExecutor(executor.id)
-        except Exception:  # best effort: the slot count above already leaves it out
-            log.debug("could not ask Spark to kill executor %s", executor.id, exc_info=True)
 
     def _fall_short(self, view: ClusterView, attempt: int, failure: WorkerTrainingFailedError) -> None:
         slots = view.total_slots

@@ -119,8 +119,11 @@ def test_a_host_cut_off_for_good_goes_on_without_it_and_its_stale_rank_stays_out
     after = output[output.index("ELASTIC RETRY"):]
     assert "ELASTIC RESUME" in after and "3 -> 2 workers" in after
     assert f"connected from ('{lost.address}'" not in after  # nothing from the lost host joins the new run
+    resumed_at = int(re.search(r"ELASTIC RESUME at step (\d+)", after).group(1))
     final = _final_checkpoint(testbed, run)
-    assert set(final["ps"]["steps_applied_by_rank"]) == {0, 1}
+    # Every (rank, step) once: three ranks up to the shrink, then ranks 0 and 1; nothing of the stale rank
+    # 2 after it, although its link came back while the run went on.
+    assert final["ps"]["steps_applied_by_rank"] == {0: final["step"], 1: final["step"], 2: resumed_at}
     record, losses, _ = _run_record(run)
     assert sorted(m.step for m in losses) == list(range(20))  # every epoch's row once, across the shrink
 

@@ -36,6 +36,16 @@ def _cannot_retry(failure: WorkerTrainingFailedError, attempt: int, why: str) ->
     return WorkerTrainingFailedError(failure.failures, attempt, cause, failure.stopped)
 
 
+def _cancel(spark, tag: str) -> None:
+    """End the attempt's barrier job. A task on a host that was cut off never hears the kill, and Spark
+    ends a barrier job only when its tasks end, so the job would wait until Spark's heartbeat timeout
+    (spark.network.timeout, 120 s): executors that do not answer a probe are declared lost now."""
+    from pipeline.launch.hosts import give_up_unreachable
+
+    interrupt(spark, tag)
+    give_up_unreachable(spark)
+
+
 class DriverPS:
     """The PS in this process; it outlives failed attempts, so a retry continues from its state."""
 
@@ -158,7 +168,7 @@ class DriverPS:
                                                  tls=self._tls))
         tag = new_tag()
         watchdog = StageWatchdog(server, cfg.parallelism.tasks, connect_timeout_s=deadlines(cfg).connect,
-                                 grace_s=failed_attempt_grace(cfg), cancel=lambda reason: interrupt(run.spark, tag))
+                                 grace_s=failed_attempt_grace(cfg), cancel=lambda reason: _cancel(run.spark, tag))
         log.info("barrier attempt %d (generation %d) from step %d", attempt, server.generation, server.version)
         self._attempt = attempt
         guards = (watchdog, self._bar) + ((self._stall,) if self._stall is not None else ())
