@@ -6,8 +6,8 @@ more times", 15 s apart, ~8 minutes), and a host cut off (its link down, no FIN,
 books until its heartbeats time out (spark.network.timeout, 120 s by default), so the next attempt would
 be scheduled onto it and wait out the connect deadline. So before each retry the driver:
 
-1. probes every executor Spark lists with a TCP connect (``hosts.PROBE_S``, all at once): one that does
-   not answer is removed from the slots, and Spark is told it is lost (``hosts.declare_lost``; the stage
+1. probes every executor Spark lists with a TCP connect (``executors.PROBE_S``, all at once): one that does
+   not answer is removed from the slots, and Spark is told it is lost (``executors.declare_lost``; the stage
    watchdog does the same when it cancels a stage whose tasks do not stop);
 2. waits up to ``timeouts.slots_s`` for the slots to be back (a crashed executor's replacement starting);
 3. then either retries on them, shrinks the run to the slots there are (``ClusterShrank``, which
@@ -21,7 +21,7 @@ import time
 from typing import Optional
 
 from pipeline.errors import ShardlineError, WorkerTrainingFailedError
-from pipeline.launch.hosts import ClusterView, cluster_view, declare_lost, unreachable
+from pipeline.executors import ClusterView, cluster_view, declare_lost, unreachable
 
 log = logging.getLogger(__name__)
 SLOTS_KEY = "timeouts.slots_s"

@@ -23,7 +23,9 @@ ALLOWED = {
     "checkpoints": {"storage"},
     "parallel": {"ps", "models", "wire", "data"},
     "worker": {"data", "models", "ps", "parallel", "wire"},
-    "launch": {"config", "worker", "ps", "shards", "models", "data", "checkpoints", "parallel", "wire", "storage"},
+    "launch": {"config", "worker", "ps", "shards", "models", "data", "checkpoints", "parallel", "wire", "storage",
+               "executors"},
+    "executors": set(),  # what Spark knows of its executors (classic sessions; launch never touches the context)
     "evaluate": {"models", "shards", "data", "storage"},
     "tracking": {"config", "storage"},
     "session": {"config"},

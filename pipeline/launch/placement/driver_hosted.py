@@ -40,7 +40,7 @@ def _cancel(spark, tag: str) -> None:
     """End the attempt's barrier job. A task on a host that was cut off never hears the kill, and Spark
     ends a barrier job only when its tasks end, so the job would wait until Spark's heartbeat timeout
     (spark.network.timeout, 120 s): executors that do not answer a probe are declared lost now."""
-    from pipeline.launch.hosts import give_up_unreachable
+    from pipeline.executors import give_up_unreachable
 
     interrupt(spark, tag)
     give_up_unreachable(spark)

@@ -1,0 +1,173 @@
+"""The network as a measured resource: training on the multi-host testbed (tests/cluster/testbed.py) with
+every worker link rate-limited by `tc tbf`, bytes read from the links' own counters.
+
+    sudo .venv/bin/python bench/network_bench.py [--hosts 2 3] [--rates 1gbit 200mbit] [--out docs-table.md]
+
+For each N (one spark-submit application on N testbed hosts, shards written once) and each rate, model
+(the 39 KB small MLP and the 4.5 MB communication-bound one: synthetic data, 64 features, hidden [1024,
+1024]) and backend (ps sync, ps async, allreduce, ps with ps.tls, ps with top-k), one 2-epoch training;
+its second epoch is measured:
+
+* step time: the driver's time between the epoch rows of epoch 1 and 2, over the epoch's steps;
+* bytes per step on each worker link: /sys/class/net/<veth>/statistics tx+rx over the same interval,
+  against what the design predicts (M model bytes: the PS 2M a link; top-k M + 8kM/4 with k the ratio;
+  ring allreduce 2M(N-1)/N);
+* link-bound efficiency: the busiest link's bytes / the rate / the step time (1.0: the link never idles).
+
+tbf limits each direction of a link separately, so a step whose push and pull overlap could exceed 1.0;
+the sync PS pushes, then pulls, so for it 1.0 is the bound. Shards are read from a local folder every
+namespace sees (`workdir_on_every_host`), not the S3 server, so that only training traffic crosses the
+links while the counters run. The figures are one run's; the table says on which machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MODELS = {"small": [128], "4.5MB": [1024, 1024]}
+BACKENDS = {"ps sync": ["train.backend=ps", "ps.mode=sync"],
+            "ps async": ["train.backend=ps", "ps.mode=async"],
+            "allreduce": ["train.backend=allreduce"],
+            "ps tls": ["train.backend=ps", "ps.mode=sync", "ps.tls=true"],
+            "ps top-k 1%": ["train.backend=ps", "ps.mode=sync", "ps.compression=topk", "ps.topk_ratio=0.01"]}
+TOPK = 0.01
+
+
+def predicted_link_bytes(backend: str, model_bytes: int, n: int) -> float:
+    """Bytes per step on one worker link (both directions), as docs/training.md's table gives them."""
+    if backend == "allreduce":
+        return 2 * model_bytes * (n - 1) / n
+    if backend.startswith("ps top-k"):
+        return model_bytes + 8 * TOPK * model_bytes / 4  # int32 index + fp32 value per sent entry; full pull
+    return 2 * model_bytes
+
+
+# -- inside the spark-submit application (the driver, root namespace) ------------------------------------
+def inside(args) -> None:
+    from pipeline.config import load
+    from pipeline.launch import train
+    from pipeline.session import get_or_create_spark
+    from pipeline.shards import steps_per_epoch
+    from tests.cluster.testbed import Testbed
+
+    bed = Testbed.load(args.state)
+    results = []
+    base = [f"workdir={args.workdir}", "workdir_on_every_host=true", "name=netbench", f"parallelism.data={args.n}",
+            "data.synthetic.rows=20000", "data.synthetic.features=64", "train.batch_size=256", "train.epochs=2",
+            "tracking.log_model=false", "timeouts.step_s=120", "train.checkpoint_every=100000"]
+    from pipeline.etl import run_etl
+    from pipeline.etl.synthetic import generate
+
+    cfg = load(str(REPO / "conf" / "synthetic.yaml"), base)
+    spark = get_or_create_spark(cfg.spark)
+    generate(spark, cfg.data, cfg.workdir)
+    manifest = run_etl(spark, cfg)
+    for rate in args.rates:
+        bed.shape(rate)
+        for model, hidden in MODELS.items():
+            for backend, overrides in BACKENDS.items():
+                cfg = load(str(REPO / "conf" / "synthetic.yaml"), [*base, f"model.hidden={hidden}", *overrides])
+                marks: list[tuple[float, dict]] = []
+                result = train(spark, cfg, manifest, on_epoch=lambda row: marks.append((time.perf_counter(),
+                                                                                         bed.counters())))
+                (t1, c1), (t2, c2) = marks[-2], marks[-1]
+                steps = steps_per_epoch(manifest, args.n, cfg.train.batch_size)
+                per_link = {host: ((c2[host]["tx_bytes"] - c1[host]["tx_bytes"]) + (c2[host]["rx_bytes"] -
+                            c1[host]["rx_bytes"])) / steps for host in c2}
+                used = {h: v for h, v in per_link.items() if v > 1000}  # the links of hosts that ran ranks
+                model_bytes = 4 * int(result.parameters.numel())
+                step_s = (t2 - t1) / steps
+                busiest = max(used.values()) if used else 0.0
+                results.append({"n": args.n, "rate": rate, "model": model, "backend": backend, "steps": steps,
+                                "step_ms": step_s * 1e3, "model_bytes": model_bytes, "link_bytes": used,
+                                "predicted": predicted_link_bytes(backend, model_bytes, args.n),
+                                "efficiency": busiest * 8 / _bits(rate) / step_s if step_s > 0 else 0.0})
+                print(f"NETBENCH {json.dumps(results[-1])}", flush=True)
+    bed.shape(None)
+
+
+def _bits(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * factor
+    raise ValueError(f"rate {rate!r}: give it as tc does, e.g. 1gbit or 200mbit")
+
+
+# -- the controller (this script run by hand) ----------------------------------------------------------------
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"])
+    parser.add_argument("--out", help="also write the markdown table here")
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inside:
+        inside(args)
+        return 0
+    from tests.cluster.testbed import Testbed, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"network_bench needs the multi-host testbed: {reason}", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sl-netbench-") as root:
+        with Testbed.create(max(args.hosts), root=root) as bed:
+            for n in args.hosts:
+                command = bed.submit_command(str(Path(__file__).resolve()), "--inside", "--state", bed.root,
+                                             "--workdir", str(Path(root) / f"work-{n}"), "--n", str(n), "--rates",
+                                             *args.rates, executors=n)
+                env = {**bed.submit_env(), "PYTHONPATH": str(REPO)}
+                print(f"N={n}: {len(args.rates) * len(MODELS) * len(BACKENDS)} trainings", flush=True)
+                proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                tail = []
+                for line in proc.stdout:
+                    tail = (tail + [line])[-60:]
+                    if line.startswith("NETBENCH "):
+                        row = json.loads(line[len("NETBENCH "):])
+                        rows.append(row)
+                        print(_line(row), flush=True)
+                if proc.wait() != 0:
+                    print("".join(tail), file=sys.stderr)
+                    return 1
+    table = markdown(rows)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 0
+
+
+def _line(row: dict) -> str:
+    links = ", ".join(f"{b / 1e6:.2f}" for b in row["link_bytes"].values())
+    return (f"N={row['n']} {row['rate']:>7} {row['model']:>5} {row['backend']:<12} step {row['step_ms']:7.1f} ms | "
+            f"link MB/step {links} (predicted {row['predicted'] / 1e6:.2f}) | efficiency {row['efficiency']:.2f}")
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| N | rate | model | backend | step ms | MB/step per worker link (measured) | predicted | "
+            "link-bound efficiency |\n|---|---|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['n']} | {r['rate']} | {r['model']} | {r['backend']} | {r['step_ms']:.1f} | "
+        f"{' / '.join(f'{b / 1e6:.2f}' for b in r['link_bytes'].values())} | {r['predicted'] / 1e6:.2f} | "
+        f"{r['efficiency']:.2f} |\n" for r in rows)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    return head + body + f"\n(one run of `bench/network_bench.py`, {time.strftime('%Y-%m-%d')}, {machine})\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
