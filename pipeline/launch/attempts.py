@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
-from pipeline.errors import ShardlineError, WorkerFailure, WorkerTrainingFailedError
+from pipeline.errors import WorkerFailure, WorkerTrainingFailedError
 from pipeline.launch.retry import FailureAccount, RetryPolicy, StateAfterFailure, Verdict, given_up
 from pipeline.launch.task.rows import RESULT_SCHEMA, merge_chunks
 
@@ -61,7 +61,7 @@ def run_attempts(placement: Placement, policy: RetryPolicy, slots=None) -> tuple
             if slots is not None:
                 try:
                     slots.before_retry(attempt, failure)  # may shrink the run (ClusterShrank) or end it
-                except ShardlineError as stop:
+                except Exception as stop:  # ClusterShrank, or the run's end: either way they happened
                     stop.failed_attempts = failed_attempts  # the shrunk run carries them on
                     raise
             log.warning("attempt %d of %d failed; retrying from %s\n%s", attempt, policy.max_attempts,

@@ -20,15 +20,16 @@ import logging
 import time
 from typing import Optional
 
-from pipeline.errors import ShardlineError, WorkerTrainingFailedError
-from pipeline.executors import ClusterView, cluster_view, declare_lost, unreachable
+from pipeline.errors import WorkerTrainingFailedError
+from pipeline.executors import ClusterView, cluster_view, declare_lost, is_local_master, unreachable
 
 log = logging.getLogger(__name__)
 SLOTS_KEY = "timeouts.slots_s"
 
 
-class ClusterShrank(ShardlineError):
-    """Fewer slots than the run's workers, but at least train.min_workers: continue on ``slots`` workers."""
+class ClusterShrank(Exception):
+    """Fewer slots than the run's workers, but at least train.min_workers: continue on ``slots`` workers.
+    A signal inside launch (``launch.train`` catches it), never an error a user sees."""
 
     def __init__(self, slots: int, message: str, failure: WorkerTrainingFailedError):
         self.slots = slots
@@ -45,13 +46,16 @@ class SlotCheck:
         self._min_workers = min_workers
         self._wait_s = wait_s
         self._gone: set[str] = set()  # executor ids found unreachable: Spark may list them a while longer
-        view = cluster_view(spark)
-        self._hosts_at_start = set(view.slots) if view is not None else set()
+        view = None if is_local_master(spark) else cluster_view(spark)
+        # local[N]: the driver runs the tasks, there are no executors to count. Spark Connect, or a cluster
+        # whose executors cannot be seen: no check (preflight's static one still ran).
+        self._enabled = view is not None and bool(view.executors)
+        self._hosts_at_start = set(view.slots) if self._enabled else set()
 
     def before_retry(self, attempt: int, failure: WorkerTrainingFailedError) -> None:
         """Return when the next attempt has its slots; raise ClusterShrank or the run's final error."""
-        view = cluster_view(self._spark)
-        if view is None:  # Spark Connect: no view of executors (preflight's static check still ran)
+        view = cluster_view(self._spark) if self._enabled else None
+        if view is None:
             return
         view = self._drop_unreachable(view)
         deadline = time.monotonic() + self._wait_s

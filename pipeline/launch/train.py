@@ -144,8 +144,8 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     ranks = sorted(({k: v for k, v in r.items() if k not in ("parameters", "buffers")} for r in outcome.rows),
                    key=lambda r: r["rank"])
     log.info("training done: %d steps in %.1fs; ranks ran in %s", outcome.version, seconds,
-             ", ".join(f"{r['rank']}@{r['process']} ({r['device']}{', gpu ' + r['gpu'] if r['gpu'] else ''}"
-                       f"{', host ' + r['address'] if r.get('address') else ''})" for r in ranks))
+             ", ".join(f"{r['rank']}@{r['process']} ({r['device']}{', gpu ' + r['gpu'] if r['gpu'] else ''})"
+                       for r in ranks))
     for r in ranks:
         log.info("rank %d imported pipeline from %s", r["rank"], r.get("package"))
     return TrainResult(spec=spec, parameters=join_state(outcome.parameters, outcome.buffers),

@@ -96,3 +96,11 @@ class ShardAddress:
 
     def to_dict(self) -> dict[str, Any]:
         return {"host": self.host, "port": self.port, "start": self.start, "end": self.end}
+
+
+def peer_host(channel: Channel) -> str:
+    """The address a connection came from ("" when it is already gone, or not a socket)."""
+    try:
+        return str(channel.sock.getpeername()[0])
+    except (OSError, AttributeError, IndexError):
+        return ""

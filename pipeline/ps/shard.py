@@ -5,7 +5,8 @@ vector, served to every rank (all ``ps.mode``s). It puts together parts that eac
 * ``policies``: how pushes become updates and when pulls are answered, per consistency mode;
 * ``listener.ShardListener``: the socket, a thread per connection, the handshake;
 * ``dispatch``: the request loop and one handler per message type;
-* ``failures``, ``stats``, ``connection.Roster``: failed, connected and finished ranks, and counters.
+* ``failures``, ``stats``, ``connection.Roster``: failed, connected and finished ranks, and counters;
+* ``shard_requests.ShardRequests``: what the request handlers ask of a shard (dispatch.RequestContext).
 
 ``pipeline.ps.server.ParameterServer`` is the driver's facade over ``ps.shards`` of these. A shard only
 knows its own slice; it announces the whole layout (every shard's address and range) in its WELCOME so
@@ -16,29 +17,28 @@ configured one, and accumulates it into fp32; PARAMS are always fp32.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from pipeline.errors import PSError, WorkerFailure
 from pipeline.ps.buffers import BufferStore
 from pipeline.ps.compression import wire_dtype
-from pipeline.ps.connection import RankConnection, Roster, ShardAddress
+from pipeline.ps.connection import RankConnection, Roster, ShardAddress, peer_host
 from pipeline.ps.core import ShardCore
 from pipeline.ps.dispatch import serve_requests
 from pipeline.ps.failures import FailureLedger, FailureSink, drop_text
 from pipeline.ps.listener import HandshakeRejected, ShardListener
 from pipeline.ps.messages import ERROR
 from pipeline.ps.modes import Consistency
-from pipeline.ps.policies import ConsistencyPolicy, make_policy
-from pipeline.ps.protocol import Channel, DType
+from pipeline.ps.policies import make_policy
+from pipeline.ps.protocol import Channel
 from pipeline.ps.settings import PSSettings
+from pipeline.ps.shard_requests import ShardRequests
 from pipeline.ps.shm_offer import rings_possible
 from pipeline.ps.stats import ShardStats
-from pipeline.wire.deadline import Timeout
 from pipeline.wire.frames import U32_MAX
 from pipeline.wire.handshake import Claim
 
@@ -52,7 +52,7 @@ _CLOSE_GRACE_S = 1.0  # how long close() lets woken waiters deliver their ERROR 
 MetricsHook = Callable[[int, dict], None]
 
 
-class ShardServer:
+class ShardServer(ShardRequests):
     """One shard of the parameter server. Use as a context manager or call ``start()``/``close()``.
 
     Standing alone (the defaults) it is a complete one-shard server owning ``[0, N)``.
@@ -356,7 +356,7 @@ class ShardServer:
             if reason is not None:
                 raise HandshakeRejected(reason, ERROR, generation=claim.generation, rank=rank)
             conn = RankConnection(rank, core.generation, channel, bytearray(self._push_buf_bytes),
-                                  host=_peer_host(channel))
+                                  host=peer_host(channel))
             self._roster.add_locked(conn)
             version = core.version
             clock = self._policy.clock_on_connect_locked(rank)
@@ -376,87 +376,3 @@ class ShardServer:
 
     def release_locked(self, conn: RankConnection) -> None:
         self._roster.release_locked(conn)
-
-    # -- what the request handlers ask (dispatch.RequestContext) -----------------------------------
-    @property
-    def policy(self) -> ConsistencyPolicy:
-        return self._policy
-
-    @property
-    def step_timeout(self) -> Timeout:
-        return self._settings.step_timeout
-
-    @property
-    def push_dtypes(self) -> frozenset[DType]:
-        return self._push_dtypes
-
-    @property
-    def buffers(self) -> BufferStore | None:
-        return self._buffers
-
-    @property
-    def sparse(self) -> Any:
-        return self._sparse
-
-    @property
-    def shared_memory_bytes(self) -> int:
-        return self._shm_cap
-
-    def params_page_offer(self) -> dict[str, Any] | None:
-        return None if self._core.page is None else self._core.page.offer()
-
-    def reserve_shared_memory(self, nbytes: int) -> bool:
-        """Take ``nbytes`` of this shard's ps.shared_memory_mb budget for one connection's rings."""
-        with self._cond:
-            if self._shm_used + nbytes > self._shm_cap:
-                return False
-            self._shm_used += nbytes
-            return True
-
-    def release_shared_memory(self, nbytes: int) -> None:
-        with self._cond:
-            self._shm_used -= nbytes
-
-    @contextlib.contextmanager
-    def in_flight(self) -> Iterator[None]:
-        """Counts a step request so close() can let it deliver its ERROR before sockets close."""
-        with self._cond:
-            self._replying += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._replying -= 1
-                self._cond.notify_all()
-
-    def count_push_payload(self, nbytes: int) -> None:
-        with self._cond:
-            self._stats.push_payload_bytes += nbytes
-
-    def count_protocol_error(self) -> None:
-        with self._cond:
-            self._stats.protocol_errors += 1
-
-    def report_metrics(self, rank: int, metrics: dict[str, Any]) -> None:
-        if self._on_metrics is None:
-            return
-        try:
-            self._on_metrics(rank, metrics)
-        except Exception:  # a tracking hiccup must never break training
-            logger.exception("on_metrics callback failed for rank %s", rank)
-
-    def finish(self, conn: RankConnection) -> None:
-        with self._cond:
-            self._roster.finish_locked(conn)
-            self._cond.notify_all()
-        logger.info("rank %s finished at version %s", conn.rank, self.version)
-
-    def send_params(self, conn: RankConnection, version: int) -> None:
-        self._core.send_params(conn, version)
-
-
-def _peer_host(channel) -> str:
-    try:
-        return str(channel.sock.getpeername()[0])
-    except (OSError, AttributeError, IndexError):  # already gone, or not a socket (a test's stand-in)
-        return ""

@@ -25,12 +25,18 @@ JOB = str(REPO / "jobs" / "run_pipeline.py")
 DIGITS_OVERRIDES = ("train.epochs=8", "tracking.log_model=false", "tracking.system_metrics_interval_s=null")
 
 
+_RUNNING: list[Testbed] = []
+
+
 @pytest.fixture(scope="session")
 def testbed(tmp_path_factory):
+    """One testbed for every test in tests/cluster/ (session-scoped, so both modules share it; stopped as
+    soon as the last of them has run, not at the end of the whole suite)."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"multi-host testbed unavailable: {reason}")
     bed = Testbed.create(HOSTS, root=str(tmp_path_factory.mktemp("testbed")))
+    _RUNNING.append(bed)
     try:
         bed.up()
         _land_digits(bed, tmp_path_factory.mktemp("digits"))
@@ -39,6 +45,13 @@ def testbed(tmp_path_factory):
         pytest.skip(f"multi-host testbed unavailable: {exc}")
     finally:
         bed.down()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After the last cluster test, take the testbed down (its JVMs would idle through the rest of the suite)."""
+    here = Path(__file__).parent
+    if _RUNNING and (nextitem is None or here not in Path(str(nextitem.path)).parents):
+        _RUNNING.pop().down()
 
 
 def _land_digits(bed: Testbed, folder: Path) -> None:
@@ -93,7 +106,8 @@ class ClusterRun:
             if match:
                 return match, time.monotonic()
             if self.proc.poll() is not None:
-                pytest.fail(f"the job ended ({self.proc.returncode}) before {pattern!r} appeared:\n{self.output[-6000:]}")
+                pytest.fail(f"the job ended ({self.proc.returncode}) before {pattern!r} appeared:\n"
+                            f"{self.output[-6000:]}")
             if time.monotonic() > deadline:
                 self.kill()
                 pytest.fail(f"{pattern!r} did not appear within {timeout_s:g}s:\n{self.output[-6000:]}")
@@ -126,7 +140,7 @@ class ClusterRun:
     def ranks(self) -> dict[int, dict]:
         """{rank: {"address": the executor host it ran on, "package": where it imported pipeline from}}."""
         out: dict[int, dict] = {}
-        for rank, address in re.findall(r"(\d+)@\S+ \([^)]*host ([\d.]+)\)", self.output):
+        for rank, address in re.findall(r"(\d+)@([\d.]+):\d+/\d+ \(", self.output):
             out.setdefault(int(rank), {})["address"] = address
         for rank, package in re.findall(r"rank (\d+) imported pipeline from (\S+)", self.output):
             out.setdefault(int(rank), {})["package"] = package

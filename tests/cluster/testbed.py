@@ -213,15 +213,16 @@ class Testbed:
         port = _free_port(self.driver_address)
         self.s3_endpoint = f"http://{self.driver_address}:{port}"
         with self._log("s3") as log:
-            self.s3_pid = subprocess.Popen([self.python, "-m", "moto.server", "-H", self.driver_address, "-p", str(port)],
-                                           stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
+            self.s3_pid = subprocess.Popen([self.python, "-m", "moto.server", "-H", self.driver_address, "-p",
+                                            str(port)], stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
                                            start_new_session=True).pid
         self._save()
         _wait(lambda: _http_ok(f"{self.s3_endpoint}/moto-api/"), 30, "the S3 server", Path(self.root, "s3.log"))
         import pyarrow.fs as pafs
 
+        keys = self.s3_env()
         pafs.S3FileSystem(endpoint_override=f"{self.driver_address}:{port}", scheme="http", region="us-east-1",
-                          access_key=self.s3_env()["AWS_ACCESS_KEY_ID"], secret_key=self.s3_env()["AWS_SECRET_ACCESS_KEY"],
+                          access_key=keys["AWS_ACCESS_KEY_ID"], secret_key=keys["AWS_SECRET_ACCESS_KEY"],
                           allow_bucket_creation=True).create_dir(self.bucket)
 
     def _spark_env(self, address: str, **extra: str) -> dict:
@@ -463,8 +464,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except BaseException:
             bed.down()
             raise
-        print(f"testbed up: {bed.master_url}, {len(bed.hosts)} hosts "
-              f"({', '.join(h.address for h in bed.hosts)}), S3 {bed.s3_endpoint} bucket {bed.bucket}; state {bed.root}")
+        print(f"testbed up: {bed.master_url}, {len(bed.hosts)} hosts ({', '.join(h.address for h in bed.hosts)}), "
+              f"S3 {bed.s3_endpoint} bucket {bed.bucket}; state {bed.root}")
         return 0
     bed = Testbed.load(args.state)
     if args.command == "submit":

@@ -157,8 +157,10 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
     from pipeline.worker import run
 
     # host:parent-pid/pid — Python workers fork from one daemon per executor, so the parent pid tells
-    # executors apart on one host.
-    process = f"{socket.gethostname()}:{os.getppid()}/{os.getpid()}"
+    # executors apart on one host. The host as Spark addresses the executor (hostnames can repeat: network
+    # namespaces, containers), else this machine's name.
+    origin = task_origin()
+    process = f"{origin['address'] or socket.gethostname()}:{os.getppid()}/{os.getpid()}"
     logger = logging.getLogger("pipeline")
     handler = _TailHandler(wiring.log_tail_lines)
     previous_level = logger.level
@@ -178,7 +180,7 @@ def run_rank(plan: WorkerPlan, address: Optional[tuple[str, int]], wiring: TaskW
                 "steps": result.steps, "samples": result.samples, "seconds": result.seconds,
                 "final_train_loss": result.final_train_loss, "process": process, "device": result.device,
                 "gpu": gpu, "parameters_digest": result.parameters_digest, "parameters": result.parameters,
-                "ps_report": None, "buffers": result.buffers, **task_origin()}
+                "ps_report": None, "buffers": result.buffers, **origin}
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the driver as a row
         error = f"{type(exc).__name__}: {exc}"
         if plan.stage is not None:  # name the stage too: a pipeline failure is located by (rank, stage)
