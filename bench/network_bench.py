@@ -9,13 +9,16 @@ For each N (one spark-submit application on N testbed hosts, shards written once
 its second epoch is measured:
 
 * step time: the driver's time between the epoch rows of epoch 1 and 2, over the epoch's steps;
-* bytes per step on each worker link: /sys/class/net/<veth>/statistics tx+rx over the same interval,
-  against what the design predicts (M model bytes: the PS 2M a link; top-k M + 8kM/4 with k the ratio;
-  ring allreduce 2M(N-1)/N);
-* link-bound efficiency: the busiest link's bytes / the rate / the step time (1.0: the link never idles).
+* bytes per step up and down each worker link: /sys/class/net/<veth>/statistics over the same interval,
+  against what the design predicts (M model bytes: the PS M up, M down; top-k 2kM up with k the ratio,
+  M down; ring allreduce 2M(N-1)/N each way);
+* link-bound efficiency: the busiest link's bytes (up + down) / the rate / the step time (1.0: the link
+  never idles, if only one direction moved at a time); and the same for its busiest direction alone.
 
-tbf limits each direction of a link separately, so a step whose push and pull overlap could exceed 1.0;
-the sync PS pushes, then pulls, so for it 1.0 is the bound. Shards are read from a local folder every
+tbf limits each direction of a link separately (a veth is full duplex). The sync PS pushes, then pulls, so
+up + down is its bound; a ring allreduce sends and receives at once, so its bound is the busiest
+direction, and its up + down figure can pass 1.0. The small model's steps are too short to drain tbf's
+burst, so its figures are not link-bound. Shards are read from a local folder every
 namespace sees (`workdir_on_every_host`), not the S3 server, so that only training traffic crosses the
 links while the counters run. The figures are one run's; the table says on which machine.
 """
@@ -44,13 +47,16 @@ BACKENDS = {"ps sync": ["train.backend=ps", "ps.mode=sync"],
 TOPK = 0.01
 
 
-def predicted_link_bytes(backend: str, model_bytes: int, n: int) -> float:
-    """Bytes per step on one worker link (both directions), as docs/training.md's table gives them."""
+def predicted_link_bytes(backend: str, model_bytes: int, n: int) -> tuple[float, float]:
+    """(bytes up, bytes down) per step on one worker link, from docs/training.md's table: the PS takes a
+    push up and sends a pull down (top-k: ratio x M entries of an int32 index + fp32 value up); a ring
+    allreduce sends and receives 2M(N-1)/N each way (reduce-scatter, then all-gather)."""
     if backend == "allreduce":
-        return 2 * model_bytes * (n - 1) / n
+        each = 2 * model_bytes * (n - 1) / n
+        return each, each
     if backend.startswith("ps top-k"):
-        return model_bytes + 8 * TOPK * model_bytes / 4  # int32 index + fp32 value per sent entry; full pull
-    return 2 * model_bytes
+        return 2 * TOPK * model_bytes, model_bytes
+    return model_bytes, model_bytes
 
 
 # -- inside the spark-submit application (the driver, root namespace) ------------------------------------
@@ -83,16 +89,20 @@ def inside(args) -> None:
                                                                                          bed.counters())))
                 (t1, c1), (t2, c2) = marks[-2], marks[-1]
                 steps = steps_per_epoch(manifest, args.n, cfg.train.batch_size)
-                per_link = {host: ((c2[host]["tx_bytes"] - c1[host]["tx_bytes"]) + (c2[host]["rx_bytes"] -
-                            c1[host]["rx_bytes"])) / steps for host in c2}
-                used = {h: v for h, v in per_link.items() if v > 1000}  # the links of hosts that ran ranks
-                model_bytes = 4 * int(result.parameters.numel())
+                # rx at the root end of a veth = bytes up from the host; tx = bytes down to it
+                per_link = {host: ((c2[host]["rx_bytes"] - c1[host]["rx_bytes"]) / steps,
+                                   (c2[host]["tx_bytes"] - c1[host]["tx_bytes"]) / steps) for host in c2}
+                used = {h: v for h, v in per_link.items() if sum(v) > 1000}  # the links of hosts that ran ranks
+                model_bytes = 4 * int(result.parameters.numel())  # fp32; the MLPs have no buffers
                 step_s = (t2 - t1) / steps
-                busiest = max(used.values()) if used else 0.0
+                both = max((up + down for up, down in used.values()), default=0.0)
+                one_way = max((max(up, down) for up, down in used.values()), default=0.0)
+                rate_bytes_s = _bits(rate) / 8
                 results.append({"n": args.n, "rate": rate, "model": model, "backend": backend, "steps": steps,
                                 "step_ms": step_s * 1e3, "model_bytes": model_bytes, "link_bytes": used,
                                 "predicted": predicted_link_bytes(backend, model_bytes, args.n),
-                                "efficiency": busiest * 8 / _bits(rate) / step_s if step_s > 0 else 0.0})
+                                "efficiency": both / rate_bytes_s / step_s,
+                                "duplex_efficiency": one_way / rate_bytes_s / step_s})
                 print(f"NETBENCH {json.dumps(results[-1])}", flush=True)
     bed.shape(None)
 
@@ -152,19 +162,24 @@ def main() -> int:
     return 0
 
 
+def _mb(pair) -> str:
+    return f"{pair[0] / 1e6:.2f}/{pair[1] / 1e6:.2f}"
+
+
 def _line(row: dict) -> str:
-    links = ", ".join(f"{b / 1e6:.2f}" for b in row["link_bytes"].values())
+    links = ", ".join(_mb(b) for b in row["link_bytes"].values())
     return (f"N={row['n']} {row['rate']:>7} {row['model']:>5} {row['backend']:<12} step {row['step_ms']:7.1f} ms | "
-            f"link MB/step {links} (predicted {row['predicted'] / 1e6:.2f}) | efficiency {row['efficiency']:.2f}")
+            f"link MB up/down a step {links} (predicted {_mb(row['predicted'])}) | efficiency "
+            f"{row['efficiency']:.2f} (busiest direction {row['duplex_efficiency']:.2f})")
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| N | rate | model | backend | step ms | MB/step per worker link (measured) | predicted | "
-            "link-bound efficiency |\n|---|---|---|---|---|---|---|---|\n")
+    head = ("| N | rate | model | backend | step ms | MB a step up/down, each worker link (measured) | predicted "
+            "| link-bound efficiency (up+down) | busiest direction |\n|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['n']} | {r['rate']} | {r['model']} | {r['backend']} | {r['step_ms']:.1f} | "
-        f"{' / '.join(f'{b / 1e6:.2f}' for b in r['link_bytes'].values())} | {r['predicted'] / 1e6:.2f} | "
-        f"{r['efficiency']:.2f} |\n" for r in rows)
+        f"{' '.join(_mb(b) for b in r['link_bytes'].values())} | {_mb(r['predicted'])} | "
+        f"{r['efficiency']:.2f} | {r['duplex_efficiency']:.2f} |\n" for r in rows)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     return head + body + f"\n(one run of `bench/network_bench.py`, {time.strftime('%Y-%m-%d')}, {machine})\n"
 

@@ -1,0 +1,31 @@
+"""bench/network_bench.py's arithmetic: the bytes the design predicts per link and direction, the rate
+parser, and the table it prints. (The bench itself needs the multi-host testbed: tests/cluster/ runs it.)"""
+import pytest
+
+M = 4_000_000
+
+
+def test_the_predicted_bytes_are_the_design_tables(load_bench):
+    bench = load_bench("network_bench")
+    assert bench.predicted_link_bytes("ps sync", M, 2) == (M, M)  # a push up, a pull down
+    assert bench.predicted_link_bytes("ps tls", M, 3) == (M, M)  # the same on any N
+    assert bench.predicted_link_bytes("allreduce", M, 2) == (M, M)  # 2M(N-1)/N each way
+    assert bench.predicted_link_bytes("allreduce", M, 3) == pytest.approx((4 * M / 3, 4 * M / 3))
+    assert bench.predicted_link_bytes("ps top-k 1%", M, 2) == pytest.approx((0.02 * M, M))  # index+value up
+
+
+def test_rates_read_as_tc_writes_them(load_bench):
+    bench = load_bench("network_bench")
+    assert bench._bits("1gbit") == 1e9 and bench._bits("200mbit") == 200e6
+    with pytest.raises(ValueError, match="give it as tc does"):
+        bench._bits("1GB/s")
+
+
+def test_the_table_has_a_row_per_configuration_with_both_efficiencies(load_bench):
+    bench = load_bench("network_bench")
+    row = {"n": 2, "rate": "1gbit", "model": "4.5MB", "backend": "ps sync", "step_ms": 95.6,
+           "link_bytes": {"198.18.1.11": (4.52e6, 4.51e6)}, "predicted": (4.51e6, 4.51e6), "efficiency": 0.756,
+           "duplex_efficiency": 0.378}
+    table = bench.markdown([row])
+    assert "| 2 | 1gbit | 4.5MB | ps sync | 95.6 | 4.52/4.51 | 4.51/4.51 | 0.76 | 0.38 |" in table
+    assert "bench/network_bench.py" in table
