@@ -1,7 +1,7 @@
 """The network as a measured resource: training on the multi-host testbed (tests/cluster/testbed.py) with
 every worker link rate-limited by `tc tbf`, bytes read from the links' own counters.
 
-    sudo .venv/bin/python bench/network_bench.py [--hosts 2 3] [--rates 1gbit 200mbit] [--out docs-table.md]
+    sudo .venv/bin/python bench/network_bench.py [--hosts 2 3] [--rates 1gbit 200mbit none] [--out table.md]
 
 For each N (one spark-submit application on N testbed hosts, shards written once) and each rate, model
 (the 39 KB small MLP and the 4.5 MB communication-bound one: synthetic data, 64 features, hidden [1024,
@@ -45,6 +45,7 @@ BACKENDS = {"ps sync": ["train.backend=ps", "ps.mode=sync"],
             "ps tls": ["train.backend=ps", "ps.mode=sync", "ps.tls=true"],
             "ps top-k 1%": ["train.backend=ps", "ps.mode=sync", "ps.compression=topk", "ps.topk_ratio=0.01"]}
 TOPK = 0.01
+UNSHAPED = "none"  # --rates none: the veth links as they are (no tbf), for the TLS cost without a rate limit
 
 
 def predicted_link_bytes(backend: str, model_bytes: int, n: int) -> tuple[float, float]:
@@ -80,7 +81,7 @@ def inside(args) -> None:
     generate(spark, cfg.data, cfg.workdir)
     manifest = run_etl(spark, cfg)
     for rate in args.rates:
-        bed.shape(rate)
+        bed.shape(None if rate == UNSHAPED else rate)
         for model, hidden in MODELS.items():
             for backend, overrides in BACKENDS.items():
                 cfg = load(str(REPO / "conf" / "synthetic.yaml"), [*base, f"model.hidden={hidden}", *overrides])
@@ -97,7 +98,7 @@ def inside(args) -> None:
                 step_s = (t2 - t1) / steps
                 both = max((up + down for up, down in used.values()), default=0.0)
                 one_way = max((max(up, down) for up, down in used.values()), default=0.0)
-                rate_bytes_s = _bits(rate) / 8
+                rate_bytes_s = _bits(rate) / 8 if rate != UNSHAPED else float("nan")
                 results.append({"n": args.n, "rate": rate, "model": model, "backend": backend, "steps": steps,
                                 "step_ms": step_s * 1e3, "model_bytes": model_bytes, "link_bytes": used,
                                 "predicted": predicted_link_bytes(backend, model_bytes, args.n),
@@ -119,7 +120,8 @@ def _bits(rate: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
-    parser.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"])
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"],
+                        help="tbf rates (1gbit, 200mbit, ...), or none for the links unshaped")
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
