@@ -109,10 +109,17 @@ def _answers(executor: Executor) -> bool:
         return False
 
 
+_DECLARED: set[tuple[str, str]] = set()  # (application id, executor id) already declared lost here
+
+
 def declare_lost(spark, executor: Executor) -> None:
     """Tell Spark an unreachable executor is gone, as its own heartbeat expiry would (HeartbeatReceiver:
     killAndReplaceExecutor, then TaskScheduler.executorLost), instead of after spark.network.timeout: its
     tasks fail now, so a barrier job waiting on them ends, and no later stage is scheduled onto it."""
+    key = (spark.sparkContext.applicationId, executor.id)
+    if key in _DECLARED:  # Spark lists it a moment longer; once is enough to say so
+        return
+    _DECLARED.add(key)
     log.warning("host %s does not answer: executor %s (%s:%d) did not accept a connection within %gs; Spark is "
                 "told it is lost, and its %d slot(s) no longer count", executor.host, executor.id, executor.host,
                 executor.port, PROBE_S, executor.slots)

@@ -5,7 +5,6 @@ rank cannot come back into it), the driver's host cut off from every worker.
 Rank 0 sleeps 40 ms a step (faults.delay_*) so that 12 epochs last long enough to strike at epoch 3."""
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -27,28 +26,23 @@ def _run_record(run):
     return client.get_run(run_id), client.get_metric_history(run_id, "train_loss"), client
 
 
-def _final_checkpoint(bed, run):
+def _final_checkpoint(bed, run, monkeypatch):
+    """The newest checkpoint the run wrote on the testbed's S3 (read with the testbed's credentials)."""
     from pipeline.checkpoints import CheckpointStore
 
     url = next(o.split("=", 1)[1] for o in run_overrides(run) if o.startswith("train.checkpoint_dir="))
-    saved = {k: os.environ.get(k) for k in bed.s3_env()}
-    os.environ.update(bed.s3_env())
-    try:
-        store = CheckpointStore(url)
-        return store.load(store.latest())
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    for key, value in bed.s3_env().items():
+        monkeypatch.setenv(key, value)
+    store = CheckpointStore(url)
+    return store.load(store.latest())
 
 
 def run_overrides(run) -> list[str]:
     return [arg for arg in run.proc.args if "=" in arg and not arg.startswith(("spark.", "--"))]
 
 
-def test_a_host_cut_off_for_less_than_the_step_deadline_is_named_and_the_run_completes(testbed, cluster_run):
+def test_a_host_cut_off_for_less_than_the_step_deadline_is_named_and_the_run_completes(
+        testbed, cluster_run, monkeypatch):
     run = cluster_run(["parallelism.data=2", *SLOW, "timeouts.step_s=60", "timeouts.stall_s=4"], executors=2)
     run.wait_for(EPOCH_3, 240)
     rank1 = run.ranks_hosts(timeout_s=30)[1]
@@ -74,7 +68,7 @@ def test_a_host_cut_off_for_less_than_the_step_deadline_is_named_and_the_run_com
     stalls = {m.step: m.value for m in client.get_metric_history(record.info.run_id, "rank1/stall_s")}
     assert len(stalls) == EPOCHS and max(stalls.values()) >= 8, stalls  # the cut shows in the epoch(s) it hit
     assert all(m.value == 0 for m in client.get_metric_history(record.info.run_id, "rank0/stall_s"))
-    final = _final_checkpoint(testbed, run)
+    final = _final_checkpoint(testbed, run, monkeypatch)
     steps = final["step"]
     assert final["ps"]["steps_applied_by_rank"] == {0: steps, 1: steps}  # every (rank, step) applied once
     # only the epoch the silence fell in says so on its line
@@ -101,7 +95,7 @@ def test_a_host_powered_off_fails_the_run_at_once_naming_it(testbed, cluster_run
     assert "requires 3 slots, but only 2 are available" not in output  # nor Spark's retry loop
 
 
-def test_a_host_cut_off_for_good_goes_on_without_it_and_its_stale_rank_stays_out(testbed, cluster_run):
+def test_a_host_cut_off_for_good_goes_on_without_it_and_its_stale_rank_stays_out(testbed, cluster_run, monkeypatch):
     run = cluster_run(["parallelism.data=3", *SLOW, "timeouts.step_s=8", "timeouts.stall_s=3",
                        "timeouts.slots_s=3", "train.min_workers=2"], executors=3)
     run.wait_for(EPOCH_3, 240)
@@ -122,7 +116,7 @@ def test_a_host_cut_off_for_good_goes_on_without_it_and_its_stale_rank_stays_out
     assert "ELASTIC RESUME" in after and "3 -> 2 workers" in after
     assert f"connected from ('{lost.address}'" not in after  # nothing from the lost host joins the new run
     resumed_at = int(re.search(r"ELASTIC RESUME at step (\d+)", after).group(1))
-    final = _final_checkpoint(testbed, run)
+    final = _final_checkpoint(testbed, run, monkeypatch)
     # Every (rank, step) once: three ranks up to the shrink, then ranks 0 and 1; nothing of the stale rank
     # 2 after it, although its link came back while the run went on.
     assert final["ps"]["steps_applied_by_rank"] == {0: final["step"], 1: final["step"], 2: resumed_at}
