@@ -1,7 +1,8 @@
 """The network as a measured resource: training on the multi-host testbed (tests/cluster/testbed.py) with
 every worker link rate-limited by `tc tbf`, bytes read from the links' own counters.
 
-    sudo .venv/bin/python bench/network_bench.py [--hosts 2 3] [--rates 1gbit 200mbit none] [--out table.md]
+    sudo .venv/bin/python bench/network_bench.py [--hosts 2 3] [--rates 1gbit 200mbit none] [--models 4.5MB]
+        [--backends "ps sync" "ps overlap" ...] [--out table.md]
 
 For each N (one spark-submit application on N testbed hosts, shards written once) and each rate, model
 (the 39 KB small MLP and the 4.5 MB communication-bound one: synthetic data, 64 features, hidden [1024,
@@ -43,7 +44,10 @@ BACKENDS = {"ps sync": ["train.backend=ps", "ps.mode=sync"],
             "ps async": ["train.backend=ps", "ps.mode=async"],
             "allreduce": ["train.backend=allreduce"],
             "ps tls": ["train.backend=ps", "ps.mode=sync", "ps.tls=true"],
-            "ps top-k 1%": ["train.backend=ps", "ps.mode=sync", "ps.compression=topk", "ps.topk_ratio=0.01"]}
+            "ps top-k 1%": ["train.backend=ps", "ps.mode=sync", "ps.compression=topk", "ps.topk_ratio=0.01"],
+            # pushes bucket by bucket during backward, each bucket's pull right behind it (issue 17's overlap)
+            "ps overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true", "ps.bucket_mb=1"]}
+DEFAULT_BACKENDS = ["ps sync", "ps async", "allreduce", "ps tls", "ps top-k 1%"]
 TOPK = 0.01
 UNSHAPED = "none"  # --rates none: the veth links as they are (no tbf), for the TLS cost without a rate limit
 
@@ -82,8 +86,10 @@ def inside(args) -> None:
     manifest = run_etl(spark, cfg)
     for rate in args.rates:
         bed.shape(None if rate == UNSHAPED else rate)
-        for model, hidden in MODELS.items():
-            for backend, overrides in BACKENDS.items():
+        for model in args.models:
+            hidden = MODELS[model]
+            for backend in args.backends:
+                overrides = BACKENDS[backend]
                 cfg = load(str(REPO / "conf" / "synthetic.yaml"), [*base, f"model.hidden={hidden}", *overrides])
                 marks: list[tuple[float, dict]] = []
                 result = train(spark, cfg, manifest, on_epoch=lambda row: marks.append((time.perf_counter(),
@@ -122,6 +128,8 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"],
                         help="tbf rates (1gbit, 200mbit, ...), or none for the links unshaped")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
@@ -143,9 +151,10 @@ def main() -> int:
             for n in args.hosts:
                 command = bed.submit_command(str(Path(__file__).resolve()), "--inside", "--state", bed.root,
                                              "--workdir", str(Path(root) / f"work-{n}"), "--n", str(n), "--rates",
-                                             *args.rates, executors=n)
+                                             *args.rates, "--models", *args.models, "--backends", *args.backends,
+                                             executors=n)
                 env = {**bed.submit_env(), "PYTHONPATH": str(REPO)}
-                print(f"N={n}: {len(args.rates) * len(MODELS) * len(BACKENDS)} trainings", flush=True)
+                print(f"N={n}: {len(args.rates) * len(args.models) * len(args.backends)} trainings", flush=True)
                 proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 tail = []
                 for line in proc.stdout:
