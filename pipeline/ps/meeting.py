@@ -98,11 +98,14 @@ def meet(policy: Any, conn: Any, offer: dict[str, Any]) -> list[dict[str, Any]]:
         roster.offers[conn.rank] = offer
         core.cond.notify_all()
         while True:
+            # Complete first: once every offer is in, the group was formed, and a peer that fails right
+            # after (it read the offers and refused the group, as a cuda rank among cpu ranks does) must not
+            # turn a waiter that wakes a moment later into a consequence of it: each rank says why itself.
+            if len(roster.offers) == policy.world_size:
+                return [roster.offers[rank] for rank in range(policy.world_size)]
             refusal = policy.refusal_locked(conn, STOPPED)
             if refusal is not None:
                 raise Refusal(refusal)
-            if len(roster.offers) == policy.world_size:
-                return [roster.offers[rank] for rank in range(policy.world_size)]
             gone = sorted(rank for rank in roster.finished if rank not in roster.offers)
             if gone:
                 raise Refusal(f"rank(s) {', '.join(map(str, gone))} finished without a rendezvous offer, so "

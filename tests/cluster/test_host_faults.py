@@ -31,10 +31,17 @@ def _final_checkpoint(bed, run, monkeypatch):
     from pipeline.checkpoints import CheckpointStore
 
     url = next(o.split("=", 1)[1] for o in run_overrides(run) if o.startswith("train.checkpoint_dir="))
+    import s3fs
+
     for key, value in bed.s3_env().items():
         monkeypatch.setenv(key, value)
-    store = CheckpointStore(url)
-    return store.load(store.latest())
+    try:
+        store = CheckpointStore(url)
+        return store.load(store.latest())
+    finally:
+        # fsspec keeps one S3FileSystem per constructor arguments, and the endpoint comes from the environment:
+        # left cached, a later test's s3fs would talk to this testbed's S3 server (gone by then)
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def run_overrides(run) -> list[str]:
