@@ -112,6 +112,12 @@ def _answers(executor: Executor) -> bool:
 _DECLARED: set[tuple[str, str]] = set()  # (application id, executor id) already declared lost here
 
 
+def declared_lost(spark) -> set[str]:
+    """Ids of this application's executors declared lost here (Spark lists them a moment longer)."""
+    app = spark.sparkContext.applicationId
+    return {eid for known_app, eid in _DECLARED if known_app == app}
+
+
 def declare_lost(spark, executor: Executor) -> None:
     """Tell Spark an unreachable executor is gone, as its own heartbeat expiry would (HeartbeatReceiver:
     killAndReplaceExecutor, then TaskScheduler.executorLost), instead of after spark.network.timeout: its
@@ -137,7 +143,7 @@ def declare_lost(spark, executor: Executor) -> None:
 def give_up_unreachable(spark) -> list[Executor]:
     """Probe the executors Spark lists; declare the ones that do not answer lost. Returns those."""
     view = cluster_view(spark)
-    gone = unreachable(list(view.executors)) if view is not None else []
+    gone = unreachable(list(view.without(declared_lost(spark)).executors)) if view is not None else []
     for executor in gone:
         declare_lost(spark, executor)
     return gone

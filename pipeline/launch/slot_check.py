@@ -21,7 +21,7 @@ import time
 from typing import Optional
 
 from pipeline.errors import WorkerTrainingFailedError
-from pipeline.executors import ClusterView, cluster_view, declare_lost, is_local_master, unreachable
+from pipeline.executors import ClusterView, cluster_view, declare_lost, declared_lost, is_local_master, unreachable
 
 log = logging.getLogger(__name__)
 SLOTS_KEY = "timeouts.slots_s"
@@ -45,7 +45,6 @@ class SlotCheck:
         self._workers = workers
         self._min_workers = min_workers
         self._wait_s = wait_s
-        self._gone: set[str] = set()  # executor ids found unreachable: Spark may list them a while longer
         view = None if is_local_master(spark) else cluster_view(spark)
         # local[N]: the driver runs the tasks, there are no executors to count. Spark Connect, or a cluster
         # whose executors cannot be seen: no check (preflight's static one still ran).
@@ -61,16 +60,16 @@ class SlotCheck:
         deadline = time.monotonic() + self._wait_s
         while view.total_slots < self._workers and time.monotonic() < deadline:
             time.sleep(0.5)
-            view = (cluster_view(self._spark) or view).without(self._gone)
+            view = (cluster_view(self._spark) or view).without(declared_lost(self._spark))
         if view.total_slots >= self._workers:
             return
         self._fall_short(view, attempt, failure)
 
     def _drop_unreachable(self, view: ClusterView) -> ClusterView:
-        for executor in unreachable([e for e in view.executors if e.id not in self._gone]):
-            self._gone.add(executor.id)
+        # Those the stage watchdog already declared lost are left out, not probed again (2 s each time).
+        for executor in unreachable(list(view.without(declared_lost(self._spark)).executors)):
             declare_lost(self._spark, executor)
-        return view.without(self._gone)
+        return view.without(declared_lost(self._spark))
 
     def _fall_short(self, view: ClusterView, attempt: int, failure: WorkerTrainingFailedError) -> None:
         slots = view.total_slots
