@@ -29,7 +29,10 @@ def make_read_fn(filesystem, files: Sequence[tuple[str, dict]], schema: pa.Schem
                 path, partition = files[index]
                 parquet = pq.ParquetFile(filesystem.open_input_file(path), pre_buffer=True)
                 stored = [name for name in schema.names if name not in partition]
-                for part in parquet.iter_batches(batch_size=batch_rows, columns=stored):
+                # Row group by row group: pre_buffer over the whole file buffered all of it (a 136 MB file:
+                # a 172 MB task, against 53 MB so).
+                for part in (p for group in range(parquet.num_row_groups)
+                             for p in parquet.iter_batches(batch_size=batch_rows, columns=stored, row_groups=[group])):
                     arrays = []
                     for field in schema:
                         if field.name in partition:

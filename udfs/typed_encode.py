@@ -46,6 +46,17 @@ def read_arrow(path: str) -> pa.Table:
         return pa.ipc.open_file(source).read_all()
 
 
+def read_dictionaries(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body: the (feature, value, n) rows of the `.dict` files named in a `path` column, one
+    record batch at a time (the driver's vocabulary ranking in Spark, pipeline/etl/vocab.py)."""
+    for batch in batches:
+        for path in batch.column("path").to_pylist():
+            with pa.OSFile(path, "rb") as source:
+                reader = pa.ipc.open_file(source)
+                for k in range(reader.num_record_batches):
+                    yield reader.get_batch(k)
+
+
 def learned(spec: Mapping) -> bool:
     return spec["type"] == "categorical" and not spec.get("hash_buckets")
 
@@ -156,7 +167,8 @@ def make_encode_fn(specs: Sequence[dict], label: str, split_column: str, regress
             write_arrow(prefix + ".remap.arrow", pa.concat_tables(remaps))
         summary = {**state.summary(), "data": prefix + ".arrow" if rows else None,
                    "dict": prefix + ".dict.arrow" if parts else None,
-                   "remap": prefix + ".remap.arrow" if remaps else None}
+                   "remap": prefix + ".remap.arrow" if remaps else None,
+                   "dict_rows": sum(part.num_rows for part in parts)}
         yield pa.RecordBatch.from_pydict({"pid": pa.array([pid], pa.int32()), "summary": [json.dumps(summary)]})
 
     return encode

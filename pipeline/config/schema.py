@@ -70,6 +70,9 @@ class DataConfig(_Section):
     shuffle: bool = True
     # Threads decoding row groups ahead of the shuffle buffer.
     reader_threads: int = Field(1, ge=1, le=32)
+    # Each rank's part of the validation split is read row group by row group every epoch; it is kept in
+    # memory between epochs only when it fits this many MiB (0: always read again). See docs/data.md.
+    validation_cache_mb: float = Field(256.0, ge=0)
     # Feature columns; null means every column except the label and the id column (all numeric). Items are
     # column names (numeric) or typed entries {name, type: numeric|categorical|vector|image|text, ...}
     # (pipeline/config/features.py).
@@ -254,8 +257,11 @@ class TrainConfig(_Section):
     # Where the trained model is saved (model.pt, last_run.json): a local path or an object-store URL
     # (s3://, gs://, abfss://); default <workdir>/models/<name>.
     model_dir: Optional[str] = Field(None, min_length=1)
-    # Checkpoint every N applied PS steps (0: only at the end); the newest keep_checkpoints are kept.
-    checkpoint_every: int = Field(200, ge=0)
+    # Checkpoints during training: every checkpoint_every_s seconds (null: off) and/or every checkpoint_every
+    # applied PS steps (0: off), whichever comes first; always at the end and after a failed attempt. The
+    # newest keep_checkpoints are kept.
+    checkpoint_every_s: Optional[float] = Field(180.0, gt=0)
+    checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(3, ge=1, le=1000)  # newest checkpoints kept; older ones are pruned
     # lr schedule, clip of the applied gradient's global norm, precision, early stopping, guard: train_options.py
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)

@@ -25,6 +25,8 @@ from pipeline.data.assignment import Segment, cut, epoch_windows, pieces, positi
 from pipeline.data.rowgroups import RowGroup, batch_sizes, epoch_rng, row_groups
 
 log = logging.getLogger(__name__)
+# Parquet files each reader thread keeps open (a shuffled epoch returns to a file: its footer is not re-read).
+OPEN_FILES_PER_THREAD = 4
 
 _DONE = object()
 READERS = ("arrow", "petastorm")
@@ -115,8 +117,13 @@ class StreamingLoader:
 
         def read(index: int):
             group = self.groups[index]
-            files = local.__dict__.setdefault("files", {})  # one open ParquetFile per file per thread
+            files = local.__dict__.setdefault("files", {})  # open ParquetFiles of this thread, oldest first
             if group.path not in files:
+                # An open pre-buffered file (object stores) keeps its last row group's bytes: kept open for
+                # the epoch, every file held one (a rank reached the compressed split / ranks), so only the
+                # few newest stay open.
+                while len(files) >= OPEN_FILES_PER_THREAD:
+                    files.pop(next(iter(files)))
                 files[group.path] = open_parquet(group.path)  # object stores: ranged reads, pre-buffered
             features, labels = read_row_group(files[group.path], group.path, group.index, self.features_field,
                                               self.label_field, self.num_features, self.features)

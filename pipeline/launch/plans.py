@@ -137,6 +137,7 @@ def worker_plans(cfg: PipelineConfig, manifest: Manifest, spec: ModelSpec, steps
             train_files=((tuple(rank_files(manifest, replica)) if per_rank else everything)
                          if stage in (0, stages - 1) else ()),
             validation_files=validation if evaluates else (), validation_rows=part if evaluates else None,
+            validation_cache_mb=cfg.data.validation_cache_mb,
             model=spec, features_field=manifest.features_field, label_field=manifest.label_field,
             epochs=cfg.train.epochs, steps_per_epoch=steps, seed=cfg.train.seed, loader=loader, faults=faults,
             optimizer=optimizer, backend=cfg.train.backend, stage=grid, deadlines=waits,

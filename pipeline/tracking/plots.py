@@ -7,6 +7,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 _MAX_ANNOTATED_CLASSES = 30
+# The figure's side in inches (at 100 dpi) stops growing here: 0.5 inch per class made a 300-class figure
+# 152 inches square, 6.3 GB of canvas in the driver; capped, a figure is at most ~2400 px square (~25 MB).
+_MAX_SIDE_INCHES = 24.0
+_MAX_LABELLED_CLASSES = 60  # tick labels past this overlap into a black band: left out
 
 
 def _new_figure(width: float, height: float):
@@ -21,14 +25,16 @@ def _new_figure(width: float, height: float):
 def confusion_figure(confusion: np.ndarray, class_names: Sequence[str]):
     """Heat map of a confusion matrix (rows: true class, columns: predicted), counts written in each cell."""
     n = len(class_names)
-    side = max(4.0, 0.5 * n + 2.0)
+    side = min(max(4.0, 0.5 * n + 2.0), _MAX_SIDE_INCHES)
     fig = _new_figure(side + 1.0, side)
     ax = fig.add_subplot(1, 1, 1)
     image = ax.imshow(confusion, cmap="Blues", interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-    ax.set(xticks=range(n), yticks=range(n), xlabel="predicted", ylabel="true", title="Confusion matrix")
-    ax.set_xticklabels(class_names, rotation=45 if n > 5 else 0, ha="right" if n > 5 else "center")
-    ax.set_yticklabels(class_names)
+    ax.set(xlabel="predicted", ylabel="true", title="Confusion matrix")
+    if n <= _MAX_LABELLED_CLASSES:
+        ax.set(xticks=range(n), yticks=range(n))
+        ax.set_xticklabels(class_names, rotation=45 if n > 5 else 0, ha="right" if n > 5 else "center")
+        ax.set_yticklabels(class_names)
     if n <= _MAX_ANNOTATED_CLASSES:
         threshold = confusion.max() / 2 if confusion.size else 0
         for i in range(n):

@@ -31,7 +31,6 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
     DistributedDataParallel over a process group joined at ``rendezvous`` (a worker.distributed.Rendezvous,
     or a MeetingAtPS that finds it over this rank's PS connection); the PS connection still carries metrics,
     failures and FINISH."""
-    from pipeline.data import read_tensors
     from pipeline.models import build_model, loss_fn
 
     seed_rank(plan)
@@ -40,11 +39,7 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
     with ps_session(plan, ps_host, ps_port, secret, log_tail=log_tail, tls=tls) as (client, info):
         loader = make_train_loader(plan)
         # This rank's part of the validation split (pipeline.worker.validation); none where it has no rows.
-        validation = (read_tensors(plan.validation_files, plan.features_field, plan.label_field,
-                                   plan.num_features, plan.model.feature_set, rows=plan.validation_rows)
-                      if plan.validation_files else None)
-        if validation is not None:
-            validation = (to_device(validation[0], device), validation[1].to(device))
+        validation = _validation_part(plan, device) if plan.validation_files else None
         model = build_model(plan.model).to(device)
         # Before the rendezvous: a local optimizer's first construction imports torch._dynamo (seconds on a
         # fresh Python worker), which must not run while the peers wait in DDP's first broadcast.
@@ -54,6 +49,15 @@ def run_flat(plan: WorkerPlan, ps_host: str, ps_port: int, secret: bytes, *, dev
         with group, failures_reported(client), LogStream(client, plan.rank) as logs:
             return _train(plan, info, exchange, model, loss_fn(plan.model), loader, validation, device, faults,
                           logs, started)
+
+
+def _validation_part(plan: WorkerPlan, device: str):
+    from pipeline.worker.validation import ValidationPart
+
+    return ValidationPart(plan.validation_files, plan.validation_rows, features_field=plan.features_field,
+                          label_field=plan.label_field, num_features=plan.num_features,
+                          features=plan.model.feature_set, device=device,
+                          cache_bytes=int(plan.validation_cache_mb * 2**20))
 
 
 def _exchange(plan: WorkerPlan, client, info, model, device: str):
@@ -175,7 +179,7 @@ def _train(plan: WorkerPlan, info, exchange, model, loss, loader, validation, de
                    "seconds": seconds, "cpu_s": cpu_s, "step_time_s": seconds / max(epoch_steps, 1), **exchange.stats.take(),
                    **timer.take(seconds, epoch_steps), **(sparse.take_stats() if sparse is not None else {})}
         if validation is not None:
-            metrics.update(evaluate_part(model, loss, weight_of, validation[0], validation[1], plan.task))
+            metrics.update(evaluate_part(model, loss, weight_of, validation, plan.task))
         log.log(level, "rank %d epoch %d: loss %.4f, %.0f samples/s", plan.rank, epoch, last_loss,
                 epoch_samples / max(seconds, 1e-9))
         exchange.end_epoch(step)  # buffers to the server, before the report a checkpoint waits for

@@ -126,6 +126,8 @@ class WorkerPlan:
     # The rows [start, stop) of validation_files this rank evaluates at the end of each epoch (every rank a
     # part: pipeline.worker.validation; None: all of them).
     validation_rows: Optional[tuple[int, int]] = None
+    # data.validation_cache_mb: the part is kept between epochs only within this size, else read again
+    validation_cache_mb: float = 256.0
 
     def locate(self, step: int) -> tuple[int, int]:
         """(epoch, batch) of global step ``step``."""

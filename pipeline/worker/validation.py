@@ -12,10 +12,19 @@ Each rank reports sums, not means: its loss times the loss's own denominator
 weighted cross entropy), that denominator, its rows and, for classification, its correct predictions. The
 driver's ``combine`` divides the totals, so ``val_loss`` and ``val_accuracy`` are the whole split's,
 whatever size each part has, up to float rounding.
+
+A rank's part is read row group by row group each epoch (``ValidationPart``), never whole: at 16M rows the
+whole part, held for the run plus a second copy while its row groups were joined, nearly doubled a rank's
+memory (575 -> 1,085 MB, issue 47). It is kept in memory between epochs only when it fits
+``data.validation_cache_mb`` (a re-read costs a Parquet decode of the part per epoch; a kept part costs
+its size for the whole run).
 """
 from __future__ import annotations
 
-from typing import Iterable
+import logging
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+log = logging.getLogger(__name__)
 
 # Rows per forward pass: the activations of a large validation split in one pass (a 500k-row split through
 # 1024-wide layers: ~2 GB) would not fit where a training batch does. Eval mode makes chunks independent.
@@ -31,26 +40,84 @@ def part_rows(total: int, part: int, parts: int) -> tuple[int, int]:
     return total * part // parts, total * (part + 1) // parts
 
 
-def evaluate_part(model, loss, weight_of, features: dict, labels, task: str) -> dict[str, float]:
-    """This rank's sums over its part (``features``/``labels`` as ``pipeline.data.read_tensors`` gives
-    them, on the model's device), in chunks of ``CHUNK_ROWS`` rows; the model is left in train mode."""
+class ValidationPart:
+    """This rank's rows ``rows`` of the validation ``files``, as (inputs, labels) tensors on ``device``,
+    one row group at a time (``pipeline.data.loader.row_groups``, the training loader's column reader).
+
+    The first epoch's pass measures the part from its first row group (bytes per row x the part's rows):
+    within ``cache_bytes`` its row groups are kept for the later epochs, else every epoch reads them again
+    and at most one row group (and the chunk being evaluated) is held at once."""
+
+    def __init__(self, files: Sequence[str], rows: Optional[tuple[int, int]], *, features_field: str,
+                 label_field: str, num_features: Optional[int], features, device: str, cache_bytes: int,
+                 read: Optional[Callable] = None):
+        self._files, self._rows, self._device = tuple(files), rows, device
+        self._fields = (features_field, label_field, num_features, features)
+        self._cache_bytes, self._read = cache_bytes, read
+        self._kept: Optional[list] = None  # the row groups, once a pass kept them all
+        self.cached: Optional[bool] = None  # decided by the first pass
+
+    def __iter__(self) -> Iterator[tuple[dict, object]]:
+        if self._kept is not None:
+            yield from self._kept
+            return
+        from pipeline.data.batch import to_device
+        from pipeline.data.loader import as_tensors, row_groups
+
+        keep: Optional[list] = [] if self.cached is not False else None
+        for x, y in row_groups(self._files, *self._fields, rows=self._rows, read=self._read):
+            if self.cached is None:
+                self.cached = self._fits(x, y)
+                keep = [] if self.cached else None
+            x, y = as_tensors(x, y)
+            if self._device != "cpu":
+                x, y = to_device(x, self._device), y.to(self._device)
+            if keep is not None:
+                keep.append((x, y))
+            yield x, y
+        self._kept = keep
+
+    def _part_rows(self) -> int:
+        if self._rows is not None:
+            return self._rows[1] - self._rows[0]
+        from pipeline.data.loader import file_rows
+
+        return file_rows(self._files)
+
+    def _fits(self, x: dict, y) -> bool:
+        rows = len(y)
+        width = sum(v.nbytes for v in x.values()) + y.nbytes
+        estimate = width / max(rows, 1) * self._part_rows()
+        fits = estimate <= self._cache_bytes
+        log.debug("validation part %s: ~%.0f MiB, %s (data.validation_cache_mb=%.0f)", self._rows, estimate / 2**20,
+                  "kept in memory" if fits else "read again each epoch", self._cache_bytes / 2**20)
+        return fits
+
+
+def evaluate_part(model, loss, weight_of, part: Iterable[tuple[dict, object]], task: str) -> dict[str, float]:
+    """This rank's sums over its part: ``part`` yields (features, labels) tensors on the model's device (a
+    ValidationPart's row groups, or one (features, labels) pair), evaluated in chunks of ``CHUNK_ROWS`` rows;
+    the model is left in train mode."""
     import torch
 
-    rows = int(labels.shape[0])
+    rows = 0
     loss_sum = weight = 0.0
     correct = 0
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, rows, CHUNK_ROWS):
-                x = {key: value[start:start + CHUNK_ROWS] for key, value in features.items()}
-                y = labels[start:start + CHUNK_ROWS]
-                output = model(x)
-                share = weight_of(y)
-                loss_sum += float(loss(output, y)) * share
-                weight += share
-                if task == "classification":
-                    correct += int((output.argmax(dim=1) == y).sum())
+            for features, labels in part:
+                count = int(labels.shape[0])
+                rows += count
+                for start in range(0, count, CHUNK_ROWS):
+                    x = {key: value[start:start + CHUNK_ROWS] for key, value in features.items()}
+                    y = labels[start:start + CHUNK_ROWS]
+                    output = model(x)
+                    share = weight_of(y)
+                    loss_sum += float(loss(output, y)) * share
+                    weight += share
+                    if task == "classification":
+                        correct += int((output.argmax(dim=1) == y).sum())
     finally:
         model.train()
     sums = {"val_loss_sum": loss_sum, "val_weight": weight, "val_rows": rows}

@@ -94,3 +94,88 @@ def test_with_a_key_the_digest_is_an_hmac_and_another_key_is_refused(tmp_path, m
     monkeypatch.delenv("SHARDLINE_ARTIFACT_KEY")
     with pytest.raises(ConfigError, match=r"signed with a key .*SHARDLINE_ARTIFACT_KEY is not set"):
         store.load(info)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _paced(tmp_path, every=0, every_s=None):
+    from pipeline.checkpoints import Checkpointer
+
+    clock, version = Clock(), [0]
+    store = CheckpointStore(str(tmp_path / "ckpt"), keep=100)
+    checkpointer = Checkpointer(store, lambda: {"step": version[0], "ps": {"params": torch.zeros(2)}},
+                                lambda: version[0], every, every_s=every_s, clock=clock)
+    return checkpointer, clock, version
+
+
+def test_checkpoints_paced_in_time_need_the_seconds_and_a_new_step(tmp_path, caplog):
+    checkpointer, clock, version = _paced(tmp_path, every_s=180)
+    version[0] = 50
+    clock.now += 179.9
+    checkpointer.poll()
+    assert checkpointer.saved == []  # steps, but not yet the time
+    clock.now += 0.1
+    with caplog.at_level("DEBUG", logger="pipeline.checkpoints"):
+        checkpointer.poll()
+    assert checkpointer.saved == [50]
+    assert [r.levelname for r in caplog.records if "checkpoint at step 50 (every 180s)" in r.message] == ["DEBUG"]
+    clock.now += 1000
+    checkpointer.poll()
+    assert checkpointer.saved == [50]  # the time, but no new step: nothing new to save
+    version[0] = 51
+    checkpointer.poll()
+    assert checkpointer.saved == [50, 51]
+    version[0] = 400  # a step count is no pace of its own here
+    checkpointer.poll()
+    assert checkpointer.saved == [50, 51]
+
+
+def test_a_step_and_a_time_pace_save_at_whichever_comes_first(tmp_path):
+    checkpointer, clock, version = _paced(tmp_path, every=100, every_s=60)
+    version[0] = 100
+    checkpointer.poll()
+    assert checkpointer.saved == [100]  # the steps first, 0 s in
+    clock.now += 59
+    version[0] = 150
+    checkpointer.poll()
+    assert checkpointer.saved == [100]
+    clock.now += 1  # 60 s after the last checkpoint (not after the start)
+    checkpointer.poll()
+    assert checkpointer.saved == [100, 150]
+
+
+def test_one_info_line_per_epoch_sums_up_its_checkpoints(tmp_path, caplog):
+    checkpointer, clock, version = _paced(tmp_path, every_s=10)
+    assert checkpointer.summary() is None
+    for step in (5, 9, 14):
+        version[0] = step
+        clock.now += 10
+        checkpointer.poll()
+    with caplog.at_level("INFO", logger="pipeline.checkpoints"):
+        line = checkpointer.summary()
+    assert line.startswith("3 checkpoint(s) since the last epoch line, the newest at step 14: ")
+    assert line.endswith("ckpt-000000000014.pt")
+    assert [r.message for r in caplog.records if r.levelname == "INFO"] == [line]
+    assert checkpointer.summary() is None
+
+
+def test_requested_checkpoints_are_info_lines_and_a_disabled_checkpointer_never_saves(tmp_path, caplog):
+    from pipeline.checkpoints import Checkpointer
+
+    checkpointer, clock, version = _paced(tmp_path, every_s=10)
+    version[0] = 3
+    with caplog.at_level("INFO", logger="pipeline.checkpoints"):
+        checkpointer.save("end of training")
+    assert any(r.levelname == "INFO" and "checkpoint at step 3 (end of training)" in r.message for r in caplog.records)
+    off = Checkpointer(CheckpointStore(str(tmp_path / "off")), lambda: {"step": 9}, lambda: 9, 1, every_s=1,
+                       enabled=False, clock=clock)
+    clock.now += 100
+    off.poll()
+    off.save("end of training")
+    assert off.saved == []

@@ -101,14 +101,14 @@ class DriverPS:
             # allreduce keeps no state on the server: nothing to checkpoint, and a retry starts over.
             self._checkpointer = self._stack.enter_context(Checkpointer(
                 run.store, self._snapshot, lambda: self.server.version, cfg.train.checkpoint_every,
-                enabled=not run.allreduce))
+                every_s=cfg.train.checkpoint_every_s, enabled=not run.allreduce))
             self._bar = StepProgress(lambda: self.server.version, run.expected_version)
             if not run.allreduce:  # allreduce ranks talk to the PS only per epoch: silence is their normal
                 from pipeline.launch.ps_side.stall import StallWatch
 
                 self._stall = StallWatch(self.server, cfg.parallelism.tasks, stall_s=cfg.timeouts.stall_s,
                                          step=deadlines(cfg).step, next_step=self._after_stall, show=self._bar.note)
-                run.progress.before_announce = lambda row: row.update(self._stall.epoch_metrics())
+                run.progress.before_announce = self._before_epoch_line
             from pipeline.launch.monitor import training_monitor
 
             self.monitor = training_monitor(cfg, snapshot=self._best_snapshot, abort=self.server.fail,
@@ -185,6 +185,10 @@ class DriverPS:
                                                 server_error=died) from failure
             raise
         return rows
+
+    def _before_epoch_line(self, row: dict) -> None:
+        row.update(self._stall.epoch_metrics())
+        self._checkpointer.summary()  # this epoch's checkpoints, one INFO line before the epoch's
 
     def _after_stall(self) -> str:
         """What the driver does once the step deadline fails a stalled attempt, for the stall WARNING."""

@@ -56,7 +56,7 @@ class TaskPS:
             world_size=cfg.parallelism.data, generation=attempt, settings=ps_settings(cfg, run.steps_per_epoch, run.step_offset), backend=cfg.train.backend, grace=failed_attempt_grace(cfg),
             connect=waits.connect, peers=waits.step, model=run.spec,
             checkpoint_dir=run.store.directory, keep_checkpoints=cfg.train.keep_checkpoints,
-            checkpoint_every=cfg.train.checkpoint_every,
+            checkpoint_every=cfg.train.checkpoint_every, checkpoint_every_s=cfg.train.checkpoint_every_s,
             resume_path=self.resume_from.path if self.resume_from else None, warm_start=warm, buffers=buffers,
             checkpoint_meta=run.checkpoint_meta.for_launch(self.launch_id))
 

@@ -43,6 +43,7 @@ class HostedPSSpec:
     checkpoint_dir: str
     keep_checkpoints: int
     checkpoint_every: int
+    checkpoint_every_s: Optional[float]
     # What every checkpoint records (fingerprint, model, layout, this launch's id...); also where the run's
     # epochs, steps per epoch and seed come from.
     checkpoint_meta: CheckpointMeta
@@ -110,7 +111,8 @@ class HostedPS:
                 log.info("task PS resuming from %s at step %d", spec.resume_path, self.server.version)
             self.checkpointer = self._stack.enter_context(Checkpointer(
                 store, self._snapshot, lambda: self.server.version, spec.checkpoint_every,
-                enabled=spec.checkpoints_enabled))
+                every_s=spec.checkpoint_every_s, enabled=spec.checkpoints_enabled))
+            self.progress.before_announce = lambda row: self.checkpointer.summary()
         except BaseException:
             self._stack.close()
             raise

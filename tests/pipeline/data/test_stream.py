@@ -174,3 +174,34 @@ def test_petastorm_reader_refuses_features_it_cannot_serve():
     features = FeatureSet((FeatureSpec(name="amount", type="numeric"), FeatureSpec(name="city", type="categorical")))
     with pytest.raises(DataError, match=r"petastorm serves numeric features only.*city \(categorical\).*data.reader=arrow"):
         StreamingLoader(["unused.parquet"], steps_per_epoch=1, seed=0, rank=0, reader="petastorm", features=features)
+
+
+def test_a_reader_thread_keeps_only_its_newest_files_open(tmp_path, monkeypatch):
+    # An open pre-buffered file on an object store keeps its last row group: an epoch over many files
+    # must not keep them all open.
+    import weakref
+
+    import pipeline.storage as storage
+    from pipeline.data import stream
+
+    files, total = _rank_files(tmp_path, [900], files_per_rank=12, row_group_size=30)
+    opened, alive = [], set()
+    real = storage.open_parquet
+
+    def counted(path, *args, **kwargs):
+        handle = real(path, *args, **kwargs)
+        opened.append(path)
+        alive.add(id(handle))
+        weakref.finalize(handle, alive.discard, id(handle))
+        return handle
+
+    monkeypatch.setattr(storage, "open_parquet", counted)
+    most = [0]
+    loader = StreamingLoader(files[0], steps_per_epoch=-(-total // 32), seed=5, rank=0, shuffle=True,
+                             shuffle_buffer_rows=64, prefetch=0, reader_threads=1)
+    seen = []
+    for x, y in loader.epoch(0):
+        most[0] = max(most[0], len(alive))
+        seen += y.tolist()
+    assert sorted(seen) == list(range(total))
+    assert len(set(opened)) == 12 and most[0] <= stream.OPEN_FILES_PER_THREAD

@@ -25,3 +25,19 @@ def test_stage_figure_has_one_bar_per_stage_and_a_bubble_curve_per_stage():
 def test_no_stage_figure_without_pipeline_stages():
     assert stage_figure(_history(0)) is None
     assert history_figure(_history(0)) is not None
+
+
+def test_the_confusion_figure_stops_growing_with_the_classes():
+    import numpy as np
+
+    from pipeline.tracking.plots import confusion_figure
+
+    small = confusion_figure(np.eye(3), ["a", "b", "c"])
+    assert small.get_size_inches()[1] == 4.0 and [t.get_text() for t in small.axes[0].get_yticklabels()] == ["a", "b", "c"]
+    sizes = []
+    for n in (40, 300):
+        fig = confusion_figure(np.eye(n), [str(i) for i in range(n)])
+        sizes.append(tuple(fig.get_size_inches()))
+        labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+        assert (labels == [str(i) for i in range(n)]) == (n == 40)  # 300 labels would overlap: none
+    assert sizes[0] == (23.0, 22.0) and sizes[1] == (25.0, 24.0)  # 0.5 inch per class, capped at 24

@@ -1,11 +1,20 @@
 """Every rank's part of the validation split, and the driver's sums: the whole split's figures."""
+import gc
+import weakref
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+
+from pipeline.data import read_tensors
+from pipeline.data.arrow_read import read_row_group
 
 from pipeline.models import ModelSpec, build_model, loss_fn
 from pipeline.models.losses import LossSpec, loss_weight
 from pipeline.worker import validation
-from pipeline.worker.validation import combine, evaluate_part, part_rows
+from pipeline.worker.validation import ValidationPart, combine, evaluate_part, part_rows
 
 ROWS = 37
 
@@ -52,7 +61,7 @@ def test_parts_combine_to_the_whole_splits_loss_and_accuracy(name, parts, monkey
     for part in range(parts):
         start, stop = part_rows(ROWS, part, parts)
         reports.append(evaluate_part(model, loss_fn(spec), loss_weight(spec),
-                                     {k: v[start:stop] for k, v in x.items()}, y[start:stop], task))
+                                     [({k: v[start:stop] for k, v in x.items()}, y[start:stop])], task))
     assert model.training  # left as training found it
     assert sum(r["val_rows"] for r in reports) == ROWS
     model.eval()
@@ -72,7 +81,7 @@ def test_weighted_cross_entropy_parts_weigh_by_their_class_weights_not_their_row
     # A part of only heavy-class rows must count for more than its row share: by rows, this is off.
     spec, model, x, y = _case(*CASES["weighted cross_entropy, smoothed"])
     y = torch.tensor([2] * 5 + [0] * (ROWS - 5))
-    parts = [evaluate_part(model, loss_fn(spec), loss_weight(spec), {k: v[a:b] for k, v in x.items()}, y[a:b],
+    parts = [evaluate_part(model, loss_fn(spec), loss_weight(spec), [({k: v[a:b] for k, v in x.items()}, y[a:b])],
                            "classification") for a, b in ((0, 5), (5, ROWS))]
     model.eval()
     with torch.no_grad():
@@ -86,3 +95,91 @@ def test_ranks_without_a_part_are_left_out_and_no_parts_give_no_figures():
     assert combine([{"train_loss": 1.0}, {"train_loss": 2.0}]) == {}
     one = {"val_loss_sum": 3.0, "val_weight": 2.0, "val_rows": 2, "val_correct": 1}
     assert combine([one, {"train_loss": 1.0}]) == {"val_loss": 1.5, "val_rows": 2, "val_accuracy": 0.5}
+
+
+# A validation split as the ETL writes it: two files of several row groups (GROUP rows each, the last short).
+GROUP, FILE_ROWS = 50, (230, 170)
+
+
+def _shards(tmp_path, width=5, classes=3):
+    rng = np.random.default_rng(7)
+    files = []
+    for i, rows in enumerate(FILE_ROWS):
+        table = pa.table({"features": pa.array(list(rng.standard_normal((rows, width)).astype(np.float32)),
+                                               pa.list_(pa.float32())),
+                          "label": pa.array(rng.integers(0, classes, rows), pa.int64())})
+        path = str(tmp_path / f"validation-{i}.parquet")
+        pq.write_table(table, path, row_group_size=GROUP)
+        files.append(path)
+    return files
+
+
+class CountingReader:
+    """read_row_group, counting the row groups read and the most alive at once (their label arrays'
+    lifetimes: a row group's tensors share its Arrow buffers, so its labels live as long as any of it)."""
+
+    def __init__(self):
+        self.read = self.alive = self.most_alive = 0
+
+    def __call__(self, *args):
+        x, y = read_row_group(*args)
+        gc.collect()  # what was released is counted as gone before this one is counted in
+        self.read += 1
+        self.alive += 1
+        self.most_alive = max(self.most_alive, self.alive)
+        weakref.finalize(y, self._gone)
+        return x, y
+
+    def _gone(self):
+        self.alive -= 1
+
+
+def _part(files, rows, reader, cache_mb):
+    return ValidationPart(files, rows, features_field="features", label_field="label", num_features=5,
+                          features=None, device="cpu", cache_bytes=int(cache_mb * 2**20), read=reader)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("cache_mb", [0, 64])
+def test_streamed_parts_give_the_whole_parts_figures_every_epoch(tmp_path, parts, cache_mb, monkeypatch):
+    spec, model, _, _ = _case(*CASES["weighted cross_entropy, smoothed"])
+    files = _shards(tmp_path)
+    monkeypatch.setattr(validation, "CHUNK_ROWS", 16)  # chunks cut inside row groups too
+    whole = []
+    for part in range(parts):
+        rows = part_rows(sum(FILE_ROWS), part, parts)
+        whole.append(evaluate_part(model, loss_fn(spec), loss_weight(spec),
+                                   [read_tensors(files, num_features=5, rows=rows)], "classification"))
+    for epoch in range(2):
+        streamed = [evaluate_part(model, loss_fn(spec), loss_weight(spec),
+                                  _part(files, part_rows(sum(FILE_ROWS), p, parts), None, cache_mb), "classification")
+                    for p in range(parts)]
+        for mine, theirs in zip(streamed, whole):
+            assert mine["val_rows"] == theirs["val_rows"] and mine["val_correct"] == theirs["val_correct"]
+            assert mine["val_loss_sum"] == pytest.approx(theirs["val_loss_sum"], rel=1e-6)
+            assert mine["val_weight"] == pytest.approx(theirs["val_weight"], rel=1e-6)
+        assert combine(streamed) == pytest.approx(combine(whole), rel=1e-6)
+
+
+def test_a_part_over_the_cache_budget_holds_one_row_group_at_once_and_is_read_again_each_epoch(tmp_path):
+    spec, model, _, _ = _case(*CASES["cross_entropy"])
+    files = _shards(tmp_path)
+    reader = CountingReader()
+    part = _part(files, (20, 380), reader, cache_mb=0.001)  # ~1 kB: the 360-row part is ~10 kB
+    for _ in range(3):
+        report = evaluate_part(model, loss_fn(spec), loss_weight(spec), part, "classification")
+        assert report["val_rows"] == 360
+    assert part.cached is False
+    # rows 20..380 touch row groups 0-4 of the first file (230 rows) and 0-2 of the second: 8 per epoch
+    assert reader.read == 3 * 8
+    assert reader.most_alive <= 2  # the one being evaluated, and the next while it is read
+
+
+def test_a_part_within_the_cache_budget_is_read_once(tmp_path):
+    spec, model, _, _ = _case(*CASES["cross_entropy"])
+    reader = CountingReader()
+    part = _part(_shards(tmp_path), None, reader, cache_mb=1)
+    first = evaluate_part(model, loss_fn(spec), loss_weight(spec), part, "classification")
+    second = evaluate_part(model, loss_fn(spec), loss_weight(spec), part, "classification")
+    assert first == second and first["val_rows"] == sum(FILE_ROWS)
+    assert part.cached is True and reader.read == 9
