@@ -35,8 +35,8 @@ class ClicksConfig(Section):
     numeric: int = Field(13, ge=0, le=1000)  # dense (numeric) columns
     categorical: int = Field(26, ge=0, le=1000)  # categorical id columns (Zipf-distributed ids)
     # Distinct ids of each categorical column; the first column (c0) has big_vocab instead.
-    vocab: int = Field(10_000, ge=1, le=20_000_000)
-    big_vocab: int = Field(1_000_000, ge=1, le=20_000_000)  # distinct values of the widest categorical column
+    vocab: int = Field(10_000, ge=1, le=10_000_000_000)
+    big_vocab: int = Field(1_000_000, ge=1, le=10_000_000_000)  # distinct values of the widest categorical column
     # The id of popularity rank k has probability proportional to k ** -zipf.
     zipf: float = Field(1.1, gt=0, le=10)
     # Share of each numeric column that is null.

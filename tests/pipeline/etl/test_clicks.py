@@ -1,5 +1,8 @@
 """The clicks source: a Spark-generated click log with typed columns, Zipf skew, nulls and a learnable label."""
+import tracemalloc
+
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -9,7 +12,7 @@ from pipeline.config.workdir import Workdir
 from pipeline.errors import ConfigError
 from pipeline.etl.clicks import SPEC_FILE, clicks_raw_path, generate_clicks
 from pipeline.etl.sources import builtin_id_column, read_source
-from udfs.clicks import zipf_ranks, zipf_sampler
+from udfs.clicks import ZIPF_HEAD, id_keys, make_generate_fn, rank_ids, zipf_ranks, zipf_sampler
 
 
 def _cfg(tmp_path, **clicks):
@@ -94,13 +97,126 @@ def test_deterministic_reused_while_unchanged_regenerated_when_changed(spark, tm
     assert builtin_id_column("clicks") == "id"
 
 
-def test_zipf_sampling_is_the_exact_inverse_cdf():
-    for vocab in (3, 500, 70_000):
-        cdf, guide = zipf_sampler(vocab, 1.1)
+def _exact_cdf(vocab, exponent):
+    cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -exponent)
+    return cdf / cdf[-1]
+
+
+def test_zipf_sampling_is_the_exact_inverse_cdf_over_the_head():
+    # Up to ZIPF_HEAD ranks the whole law is tabulated (70_000 ranks were, before the head had a bound).
+    for vocab in (3, 500, ZIPF_HEAD):
+        sampler = zipf_sampler(vocab, 1.1)
+        cdf = sampler.cdf
+        assert len(cdf) == vocab
         u = np.random.default_rng(vocab).random(100_000)
         u[:4] = [0.0, cdf[0], np.nextafter(cdf[0], 0), 1 - 2**-53]  # bucket edges and the ends
         expected = np.minimum(np.searchsorted(cdf, u, side="right"), vocab - 1)
-        assert np.array_equal(zipf_ranks(u, cdf, guide), expected), vocab
+        assert np.array_equal(zipf_ranks(u, sampler), expected), vocab
+    # Past it, the head's ranks are still the exact inverse CDF of the whole law.
+    vocab = 10**6
+    sampler = zipf_sampler(vocab, 1.1)
+    assert len(sampler.cdf) == ZIPF_HEAD and len(sampler.guide) <= 2**20 + 1
+    u = np.random.default_rng(0).random(200_000) * sampler.cdf[-1]
+    exact = np.searchsorted(_exact_cdf(vocab, 1.1), u, side="right")
+    assert (zipf_ranks(u, sampler) != exact).sum() <= 2  # only a u within ~1e-12 of a rank's edge could differ
+
+
+@pytest.mark.parametrize("exponent", [0.5, 1.0, 1.1, 2.0])
+def test_zipf_ranks_follow_the_law_past_the_tabulated_head(exponent):
+    vocab = 10**6
+    sampler = zipf_sampler(vocab, exponent)
+    exact_cdf = _exact_cdf(vocab, exponent)
+    p = np.diff(exact_cdf, prepend=0.0)
+    n = 1_000_000
+    ranks = zipf_ranks(np.random.default_rng(1).random(n), sampler)
+    assert ranks.min() >= 0 and ranks.max() < vocab
+    counts = np.bincount(ranks, minlength=vocab)
+
+    # The head: each top rank's frequency within 5 binomial sigmas of its probability.
+    top = np.arange(20)
+    sigma = np.sqrt(n * p[top] * (1 - p[top]))
+    assert (np.abs(counts[top] - n * p[top]) < 5 * sigma + 1).all(), (counts[top], n * p[top])
+    # The tail's mass, and its spread over log-spaced bands of ranks (the approximated part of the law).
+    tail_mass = p[ZIPF_HEAD:].sum()
+    observed = counts[ZIPF_HEAD:].sum()
+    assert abs(observed - n * tail_mass) < 5 * np.sqrt(n * tail_mass * (1 - tail_mass)) + 1, (observed, n * tail_mass)
+    edges = np.unique(np.geomspace(ZIPF_HEAD, vocab, 9).astype(np.int64))
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        expected = n * p[lo:hi].sum()
+        assert abs(counts[lo:hi].sum() - expected) < 5 * np.sqrt(expected) + 2, (lo, hi, counts[lo:hi].sum(), expected)
+
+    # Uniforms drawn inside the tail alone (its mass is 9e-6 at s = 2): the exact inverse CDF's rank, but
+    # for a few u at a rank's edge (the approximation moves each CDF value by < 1e-10 of the tail).
+    start = sampler.cdf[-1]
+    u = start + (1 - start) * np.random.default_rng(2).random(200_000)
+    u = u[u < 1]
+    mine = zipf_ranks(u, sampler)
+    exact = np.minimum(np.searchsorted(exact_cdf, u, side="right"), vocab - 1)
+    assert mine.min() >= ZIPF_HEAD - 1 and np.abs(mine - exact).max() <= 1 and (mine != exact).mean() < 1e-3
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 3, 10, 97, 1000, 4096, 65_537, 250_001])
+def test_rank_ids_are_a_bijection_on_the_vocab(vocab):
+    for j, seed in ((0, 0), (5, 123)):
+        ids = rank_ids(np.arange(vocab), vocab, id_keys(j, seed))
+        assert ids.dtype == np.int64 and np.array_equal(np.sort(ids), np.arange(vocab)), (vocab, j, seed)
+        # A function of (seed, column, rank) alone: any subset maps the same way.
+        picked = np.random.default_rng(vocab).integers(0, vocab, 1000)
+        assert np.array_equal(rank_ids(picked, vocab, id_keys(j, seed)), ids[picked])
+
+
+def test_rank_ids_scatter_popularity_over_the_ids():
+    vocab = 100_000
+    ids = rank_ids(np.arange(vocab), vocab, id_keys(1, 0))
+    assert abs(np.corrcoef(np.arange(vocab), ids)[0, 1]) < 0.02  # popularity does not follow id order
+    assert np.abs(np.diff(ids[:100])).min() > 0 and np.median(np.abs(np.diff(ids[:1000]))) > vocab / 10
+    assert ids[:10].max() - ids[:10].min() > vocab / 4  # the top ranks are anywhere
+    other = rank_ids(np.arange(vocab), vocab, id_keys(2, 0))  # another column, another mapping
+    assert (ids != other).mean() > 0.99 and not np.array_equal(ids, rank_ids(np.arange(vocab), vocab, id_keys(1, 1)))
+    # Beyond 2**32 ids (64-bit halves) and at 10**9: distinct and in range.
+    for big in (10**9, 2**40 + 7):
+        many = rank_ids(np.arange(200_000), big, id_keys(0, 0))
+        assert many.min() >= 0 and many.max() < big and len(np.unique(many)) == len(many), big
+        assert many.max() > big // 2
+
+
+def _batch(first, n):
+    return pa.RecordBatch.from_arrays([pa.array(np.arange(first, first + n, dtype=np.int64))], names=["id"])
+
+
+def _generated(fn, batches):
+    return pa.Table.from_batches(list(fn(iter(batches))))
+
+
+@pytest.mark.parametrize("vocab", [10**7, 10**9])
+def test_memory_does_not_grow_with_the_vocab(vocab):
+    """10k rows of 13 numeric + 26 categorical columns with 10**9 ids a column: no table of the vocab's
+    size is built (tracemalloc sees numpy's buffers; per-rank tables took ~200 MB a column at 10**7)."""
+    zipf_sampler.cache_clear()  # its tables count too
+    tracemalloc.start()
+    try:
+        table = _generated(make_generate_fn(13, 26, vocab, vocab, 1.1, 0.01, 3), [_batch(10**12, 10_000)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MB"
+    width = len(str(vocab - 1))
+    for j in (0, 1, 25):
+        values = table.column(f"c{j}").to_pandas()
+        assert values.str.fullmatch(rf"c{j}_\d{{{width}}}").all()
+        ids = values.map(lambda v: int(v.split("_")[1]))
+        assert ids.between(0, vocab - 1).all() and ids.max() > vocab // 2  # ids from the whole range
+        # Zipf: the top id has about the top rank's probability, 1 / H(vocab, 1.1).
+        top = ids.value_counts(normalize=True).iloc[0]
+        assert abs(top - {10**7: 0.1164, 10**9: 0.1072}[vocab]) < 0.015, top
+
+
+def test_rows_do_not_depend_on_how_the_ids_are_batched():
+    fn = make_generate_fn(3, 4, 10**7, 10**8, 1.1, 0.1, 11)  # tail ranks and walked ids included
+    whole = _generated(fn, [_batch(500, 3000)])
+    split = _generated(fn, [_batch(500, 1), _batch(501, 999), _batch(1500, 2000)])
+    assert whole.equals(split)
+    assert _generated(fn, [_batch(1500, 2000)]).equals(whole.slice(1000))
 
 
 def test_clicks_config(conf_dir, tmp_path):
