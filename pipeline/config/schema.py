@@ -261,7 +261,7 @@ class TrainConfig(_Section):
     # applied PS steps (0: off), whichever comes first; always at the end and after a failed attempt. The
     # newest keep_checkpoints are kept.
     checkpoint_every_s: Optional[float] = Field(180.0, gt=0)
-    checkpoint_every: int = Field(0, ge=0)
+    checkpoint_every: int = Field(0, ge=0)  # and/or every N applied PS steps (0: off), whichever comes first
     keep_checkpoints: int = Field(3, ge=1, le=1000)  # newest checkpoints kept; older ones are pruned
     # lr schedule, clip of the applied gradient's global norm, precision, early stopping, guard: train_options.py
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
