@@ -1,8 +1,9 @@
 """Shard file sets read row group by row group (the validation split), or whole into tensors (input
 examples, tests).
 
-Training reads through the streaming loader (stream.py), with its shuffle and read-ahead. Row groups are read with the loader's own column reader (arrow_read.py), so a batch here has exactly the
-training batch's keys, shapes and dtypes; arrays are handed to torch without a copy where Arrow allows.
+Training reads through the streaming loader (stream.py), with its shuffle and read-ahead. Row groups are
+read with the loader's own column reader (arrow_read.py), so a batch here has exactly the training batch's
+keys, shapes and dtypes; arrays are handed to torch without a copy where Arrow allows.
 """
 from __future__ import annotations
 

@@ -73,19 +73,22 @@ def rank_in_spark(spark, paths: list[str], limits: Mapping[int, tuple[int, int]]
     counts = (rows.where(F.col("n") > 0).where(F.col("feature").isin(features))
               .groupBy("feature", "value").agg(F.sum("n").alias("n")))
 
-    def per_feature(index: int):  # min_count (0) or max_vocab + 1 (1) of the row's feature
+    def per_feature(value: Mapping[int, int]):  # the row's feature's entry of `value`
         column = F.lit(None)
         for i in features:
-            column = F.when(F.col("feature") == i, F.lit(limits[i][index] + index)).otherwise(column)
+            column = F.when(F.col("feature") == i, F.lit(value[i])).otherwise(column)
         return column
+
+    min_count = per_feature({i: limits[i][0] for i in features})
+    allowed = per_feature({i: limits[i][1] + 1 for i in features})  # max_vocab + 1: enough to say "over"
 
     widest = max(max_vocab for _, max_vocab in limits.values()) + 1
     order = Window.partitionBy("feature").orderBy(F.col("n").desc(), F.col("value").asc())
-    kept = (counts.where(F.col("n") >= per_feature(0))
+    kept = (counts.where(F.col("n") >= min_count)
             .withColumn("rank", F.row_number().over(order))
             # A literal bound first: Spark then keeps each partition's top rows per feature before the
             # shuffle (WindowGroupLimit) instead of moving and sorting every qualifying value.
-            .where(F.col("rank") <= widest).where(F.col("rank") <= per_feature(1))
+            .where(F.col("rank") <= widest).where(F.col("rank") <= allowed)
             .select(F.lit(KEPT).alias("kind"), "feature", "value", F.col("rank").cast("long").alias("n")))
     # One query for both: Spark reuses the aggregation's exchange for the two branches instead of summing
     # the counts twice.

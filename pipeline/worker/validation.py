@@ -64,9 +64,9 @@ class ValidationPart:
         from pipeline.data.batch import to_device
         from pipeline.data.loader import as_tensors, row_groups
 
-        keep: Optional[list] = [] if self.cached is not False else None
+        keep: Optional[list] = [] if self.cached else None
         for x, y in row_groups(self._files, *self._fields, rows=self._rows, read=self._read):
-            if self.cached is None:
+            if self.cached is None:  # the first pass decides, from its first row group
                 self.cached = self._fits(x, y)
                 keep = [] if self.cached else None
             x, y = as_tensors(x, y)
