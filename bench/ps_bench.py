@@ -269,7 +269,7 @@ def async_updates_per_s(workers: int, shards: int, nbytes: int, window_s: float,
     import torch
 
     from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
-    from pipeline.ps.modes import Consistency
+    from pipeline.ps.modes.consistency import Consistency
     from pipeline.wire.deadline import STEP_KEY, Timeout
 
     secret = new_secret()

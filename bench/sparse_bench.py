@@ -231,7 +231,7 @@ def run_sparse(rows, train, test, batch, steps) -> dict:
     from pipeline.models import flat_parameters
     from pipeline.models.sparse_embedding import sparse_modules
     from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
-    from pipeline.ps.modes import Consistency
+    from pipeline.ps.modes.consistency import Consistency
     from pipeline.ps.sparse.rowopt import RowOptimizerSpec
     from pipeline.ps.sparse.store import SparseStore
     from pipeline.ps.sparse.table import SparseTable

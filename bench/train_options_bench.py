@@ -35,7 +35,7 @@ SERVER_OPTIONS = ("plain", "schedule", "clip")
 
 def _spec(option: str, steps: int):
     from pipeline.ps import OptimizerSpec
-    from pipeline.ps.schedule import ScheduleSpec
+    from pipeline.ps.modes.schedule import ScheduleSpec
 
     schedule = ScheduleSpec(max(steps, 2), warmup_steps=max(steps // 4, 1), decay="cosine") \
         if "schedule" in option else None
@@ -81,7 +81,7 @@ def server_stepper(option: str, *, params: int, steps: int):
     import torch
 
     from pipeline.ps import PSSettings
-    from pipeline.ps.core import ShardCore
+    from pipeline.ps.state.core import ShardCore
 
     core = ShardCore(torch.zeros(params), PSSettings(optimizer=_spec(option, steps)), generation=1)
     grad = torch.randn(params, generator=torch.Generator().manual_seed(0))

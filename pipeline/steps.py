@@ -183,7 +183,7 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     if sparse:  # ps.sparse: rows, admission and eviction counts per table, as sparse/<table>/<count>
         run.log_metrics({f"{t}/{k}": float(v) for t, counts in sparse["tables"].items() for k, v in counts.items()}
                         | {k: float(v) for k, v in sparse.items() if k != "tables"}, prefix="sparse/")
-    if cfg.train.profile:  # the server's side of the breakdown (pipeline.ps.timing), as ps/time_*
+    if cfg.train.profile:  # the server's side of the breakdown (pipeline.ps.server.timing), as ps/time_*
         run.log_metrics({k: v for k, v in result.ps_stats.items() if k.startswith(("time_", "timed_"))},
                         prefix="ps/")
     saved = _save_model(cfg, result, run.run_id)

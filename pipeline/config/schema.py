@@ -313,7 +313,7 @@ class PSConfig(_Section):
     # whose executors cannot reach the driver/client). Same protocol, modes and checkpoints; with `task`
     # the final parameters come back as result rows and progress is reported after each attempt.
     placement: Literal["driver", "task"] = "driver"
-    # async/ssp, staleness-aware updates (pipeline/ps/staleness.py documents both rules). staleness_scale:
+    # async/ssp, staleness-aware updates (pipeline/ps/modes/staleness.py documents both rules). staleness_scale:
     # inverse weighs each gradient by 1/(1+s), s = versions applied since the rank pulled; none = full weight.
     staleness_scale: Literal["inverse", "none"] = "inverse"
     # async/ssp server SGD momentum; null: train.momentum less the momentum asynchrony implies
@@ -333,11 +333,11 @@ class PSConfig(_Section):
     overlap: bool = False
     bucket_mb: float = Field(1.0, gt=0, le=1024)  # overlap: the bucket (server slice) size in MB
     # Each server shard (ps.shards of them) in a child process of its own on the same host, same address,
-    # secret and wire (pipeline/ps/shard_proxy.py): the shards use one core each instead of sharing one GIL.
+    # secret and wire (pipeline/ps/processes/shard_proxy.py): the shards use one core each instead of sharing one GIL.
     # A killed shard process fails the attempt naming it; the retry resumes from the newest checkpoint.
     server_processes: bool = False
     # OpenMP threads each server thread (or shard process) uses for its sums and optimizer step, set in
-    # those threads only (pipeline/ps/tensor_threads.py); 0: torch's default (OMP_NUM_THREADS, else the
+    # those threads only (pipeline/ps/server/tensor_threads.py); 0: torch's default (OMP_NUM_THREADS, else the
     # cores). Null: 1 where the workers run on the driver's own cores (a local[...] or local-cluster[...]
     # master), whose memory-bound passes a second thread would only take from a worker; else 0.
     server_threads: Optional[int] = Field(None, ge=0, le=1024)

@@ -192,8 +192,8 @@ def training_monitor(cfg, *, snapshot: Callable[[], dict], abort: Callable[[str]
 def epoch_lr(cfg, row: dict, version: int, steps_per_epoch: int, offset: int = 0) -> Optional[float]:
     """The learning rate of the epoch's last update (``train.schedule`` set; else None: it is train.lr)."""
     from pipeline.launch.plans import consistency
-    from pipeline.ps.modes import expected_version
-    from pipeline.ps.schedule import schedule_spec
+    from pipeline.ps.modes.consistency import expected_version
+    from pipeline.ps.modes.schedule import schedule_spec
 
     t = cfg.train
     total = offset + steps_per_epoch * t.epochs

@@ -36,8 +36,8 @@ def optimizer_spec(cfg: PipelineConfig, steps_per_epoch: int = 1, *, server: boo
     optimizer (average, allreduce: its schedule counts the rank's own steps). ``offset``: the run's step
     offset after a resume on another world size (StreamPlan), so the schedule ends with the run."""
     from pipeline.ps import OptimizerSpec
-    from pipeline.ps.modes import expected_version
-    from pipeline.ps.schedule import schedule_spec
+    from pipeline.ps.modes.consistency import expected_version
+    from pipeline.ps.modes.schedule import schedule_spec
 
     t = cfg.train
     total = offset + steps_per_epoch * t.epochs
@@ -49,7 +49,7 @@ def optimizer_spec(cfg: PipelineConfig, steps_per_epoch: int = 1, *, server: boo
 
 
 def consistency(cfg: PipelineConfig):
-    from pipeline.ps.modes import Consistency
+    from pipeline.ps.modes.consistency import Consistency
 
     return Consistency(mode=cfg.ps.mode, staleness=cfg.ps.staleness, sync_every=cfg.ps.sync_every,
                        staleness_scale=cfg.ps.staleness_scale)
@@ -60,7 +60,7 @@ def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1, offset: int = 0, 
     master), which sets ps.server_threads' default."""
     from pipeline.ps import PSSettings
 
-    from pipeline.ps.staleness import server_optimizer
+    from pipeline.ps.modes.staleness import server_optimizer
 
     # async/ssp: the server's momentum net of what asynchrony implies (ps.async_momentum).
     optimizer = server_optimizer(optimizer_spec(cfg, steps_per_epoch, server=True, offset=offset), cfg.ps.mode,

@@ -67,7 +67,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
 
     from pipeline.checkpoints import CheckpointMeta, CheckpointStore
     from pipeline.models.state import flat_buffers, join_state
-    from pipeline.ps.modes import expected_version
+    from pipeline.ps.modes.consistency import expected_version
 
     check_shared_storage(spark, cfg, etl=False)
     cfg = fit_workers(spark, cfg)  # train.min_workers: fewer slots than asked may still train

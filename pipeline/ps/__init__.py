@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import secrets
 
-from pipeline.ps.client import PSClient, ServerInfo
-from pipeline.ps.optim import OptimizerSpec
-from pipeline.ps.server import ParameterServer
+from pipeline.ps.client.ps_client import PSClient, ServerInfo
+from pipeline.ps.state.optim import OptimizerSpec
+from pipeline.ps.server.parameter_server import ParameterServer
 from pipeline.ps.settings import PSSettings
 
 SECRET_BYTES = 32

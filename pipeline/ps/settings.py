@@ -10,10 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipeline.errors import PSError
-from pipeline.ps.compression import topk_count, wire_dtype
-from pipeline.ps.modes import Consistency
-from pipeline.ps.optim import OptimizerSpec
-from pipeline.ps.tensor_threads import SERVER_THREADS_KEY
+from pipeline.ps.modes.compression import topk_count, wire_dtype
+from pipeline.ps.modes.consistency import Consistency
+from pipeline.ps.state.optim import OptimizerSpec
+from pipeline.ps.server.tensor_threads import SERVER_THREADS_KEY
 from pipeline.wire.deadline import STEP_KEY, Timeout
 
 SHARDS_KEY = "ps.shards"
@@ -38,12 +38,12 @@ class PSSettings:
     # many bytes instead (one shard each: the gradient buckets a worker pushes while backward runs,
     # pipeline.worker.buckets); 0: exactly ``shards`` slices.
     bucket_bytes: int = 0
-    # ps.server_processes: each shard runs in a child process of its own (pipeline.ps.shard_proxy)
+    # ps.server_processes: each shard runs in a child process of its own (pipeline.ps.processes.shard_proxy)
     server_processes: bool = False
     # ps.shared_memory_mb: the /dev/shm bytes one shard's rings may hold together, for workers on this
-    # host (pipeline.wire.shm, pipeline.ps.shm_offer); connections beyond it stay on TCP; 0: TCP only
+    # host (pipeline.wire.shm, pipeline.ps.transport.shm_offer); connections beyond it stay on TCP; 0: TCP only
     shared_memory_bytes: int = 1024 << 20
-    # ps.server_threads: OpenMP threads of each connection thread's tensor math (pipeline.ps.tensor_threads);
+    # ps.server_threads: OpenMP threads of each connection thread's tensor math (pipeline.ps.server.tensor_threads);
     # 0: torch's default. The launcher resolves the key's null (pipeline.launch.plans.ps_settings).
     server_threads: int = 0
 

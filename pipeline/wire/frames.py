@@ -10,7 +10,7 @@ This module owns what every connection shares: the standard header layout (:clas
 handshake frames every connection opens with (:class:`Control`), JSON payloads with their 1 MiB cap and
 the :class:`Channel` (exact reads into caller buffers with deadlines, zero-copy sends, byte counts).
 Which message types exist beyond the handshake, and how their headers are validated, is the business of
-each protocol on top: the parameter server (``pipeline.ps.protocol``) and the stage links
+each protocol on top: the parameter server (``pipeline.ps.transport.protocol``) and the stage links
 (``pipeline.parallel.link``, which has a header layout of its own of the same size).
 
 Standard header layout (little-endian, 48 bytes)::

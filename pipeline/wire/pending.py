@@ -7,7 +7,7 @@ which wakes its handshake thread) to make room for the newest, so a real peer â€
 gets through a flood that keeps its slots busy, and the flood cannot touch the admitted peers' slots.
 A pending connection also has at most ``HANDSHAKE_S`` (``pipeline.wire.handshake``) to prove itself.
 
-Used by the parameter-server listener (``pipeline.ps.listener``) and the stage link listener
+Used by the parameter-server listener (``pipeline.ps.transport.listener``) and the stage link listener
 (``pipeline.parallel.link``).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The parameter server's parameters in one sealed memory page that local workers map copy-on-write
-(``ps.shared_memory_mb``; sync mode, ``pipeline.ps.shm_offer``).
+(``ps.shared_memory_mb``; sync mode, ``pipeline.ps.transport.shm_offer``).
 
 Why: with rings (``pipeline.wire.shm``) the server still copies the parameters into every local worker's
 ring after each update, N copies of the whole model on the synchronous round's serial tail, where every

@@ -40,7 +40,7 @@ class Rendezvous:
 @dataclass(frozen=True)
 class MeetingAtPS:
     """A flat allreduce rank's way to its group through the driver's parameter server instead of the
-    barrier's allGather (``pipeline.ps.meeting`` says why): rank 0 serves the group's authenticated store
+    barrier's allGather (``pipeline.ps.server.meeting`` says why): rank 0 serves the group's authenticated store
     on ``local_host`` (its task's own address), every rank offers its device kind over its PS connection
     and learns the store's address from rank 0's offer. ``timeout`` is joining the group's
     (``timeouts.connect_s``), as for a :class:`Rendezvous`."""

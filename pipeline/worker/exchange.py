@@ -175,7 +175,7 @@ class Exchange:
     def after_backward(self, step: int) -> int:
         raise NotImplementedError
 
-    # -- buffers (BatchNorm running statistics, ...: pipeline.models.state, pipeline.ps.buffers) --------
+    # -- buffers (BatchNorm running statistics, ...: pipeline.models.state, pipeline.ps.state.buffers) --------
     def begin(self) -> int:
         """``start()``, then the server's merged buffers into the model: the initial model's on a fresh
         run, the last epoch end's on a retried attempt or a resume. Returns the first step."""
@@ -277,7 +277,7 @@ class AverageExchange(Exchange):
         return self.local_steps
 
     def after_backward(self, step: int) -> int:
-        from pipeline.ps.modes import is_sync_point
+        from pipeline.ps.modes.consistency import is_sync_point
 
         self.optimizer.step(self.local_steps)
         self.lap("exchange_other")

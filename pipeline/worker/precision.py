@@ -98,8 +98,8 @@ class LocalOptimizer:
     unscale, clipping by global norm, then the step — the same on every replica for the same step."""
 
     def __init__(self, spec, params, precision: Optional[Precision] = None) -> None:
-        from pipeline.ps.optim import build_optimizer
-        from pipeline.ps.schedule import attach_schedule
+        from pipeline.ps.state.optim import build_optimizer
+        from pipeline.ps.modes.schedule import attach_schedule
 
         self.params = [p for p in params]
         self.optimizer = build_optimizer(spec, self.params)
@@ -113,7 +113,7 @@ class LocalOptimizer:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def step(self, step: int) -> None:
-        from pipeline.ps.schedule import clip_
+        from pipeline.ps.modes.schedule import clip_
 
         if self.schedule is not None:
             self.schedule.at(step)

@@ -1,7 +1,7 @@
 """The sizes of the model this task builds, known before it connects to the parameter server.
 
 The client holds every WELCOME against them before allocating anything the server announces
-(``pipeline.ps.protocol.check_welcome``): a listener squatting the PS address, or a server of another
+(``pipeline.ps.transport.protocol.check_welcome``): a listener squatting the PS address, or a server of another
 model, is refused instead of making the worker allocate ``num_params × 4`` bytes it named itself.
 
 Why the meta device: the counts come from the same spec and factory the training loop builds from, without

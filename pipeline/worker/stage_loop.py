@@ -27,7 +27,7 @@ from pipeline.worker.skeleton import (FaultHooks, LogStream, WorkerResult, failu
 
 log = logging.getLogger(__name__)
 
-# Marks a stage's error as fallout of a neighbour's failure (pipeline.ps.staged ranks root causes by it).
+# Marks a stage's error as fallout of a neighbour's failure (pipeline.ps.server.staged ranks root causes by it).
 LINK_CONSEQUENCE = "pipeline link"
 
 

@@ -30,4 +30,4 @@ def test_two_seeds_of_digits_reach_the_bar_with_the_default_rules(spark, bench, 
         assert run["accuracy"] >= 0.9, runs
     # No assert on the staleness seen: whether the two ranks overlap at all is the scheduler's (on a loaded
     # 2-core box one rank can finish before the other connects, staleness 0). The staleness rules themselves
-    # are tested deterministically on a real PS in tests/pipeline/ps/test_staleness.py.
+    # are tested deterministically on a real PS in tests/pipeline/ps/modes/test_staleness.py.

@@ -147,9 +147,9 @@ def test_the_scan_covers_every_module_that_reads_the_network() -> None:
     bucketed rounds) is among the scanned sources."""
     scanned = {name for name, _ in parsed_sources()}
     network = {"pipeline/wire/frames.py", "pipeline/wire/handshake.py", "pipeline/wire/tls.py",
-               "pipeline/wire/pending.py", "pipeline/ps/protocol.py", "pipeline/ps/opening.py",
-               "pipeline/ps/listener.py", "pipeline/ps/dispatch.py", "pipeline/parallel/link.py",
-               "pipeline/parallel/link_frames.py", "pipeline/worker/store.py", "pipeline/ps/bucket_rounds.py"}
+               "pipeline/wire/pending.py", "pipeline/ps/transport/protocol.py", "pipeline/ps/transport/opening.py",
+               "pipeline/ps/transport/listener.py", "pipeline/ps/server/dispatch.py", "pipeline/parallel/link.py",
+               "pipeline/parallel/link_frames.py", "pipeline/worker/store.py", "pipeline/ps/client/bucket_rounds.py"}
     assert network <= scanned, sorted(network - scanned)
 
 

@@ -59,7 +59,7 @@ class DriverPS:
         self._checkpointer = None
         self._bar = None
         self.monitor = None  # train.early_stopping / train.divergence (launch/monitor.py)
-        self._server_timing = None  # train.profile: pipeline.ps.timing.EpochTiming
+        self._server_timing = None  # train.profile: pipeline.ps.server.timing.EpochTiming
         self._stall = None  # timeouts.stall_s: silent ranks named (launch/ps_side/stall.py); ps backend only
         self._attempt = 1
 
@@ -82,7 +82,7 @@ class DriverPS:
 
             self.sparse = sparse_store(cfg, run.spec, cfg.parallelism.tasks)  # ps.sparse: None without tables
             if cfg.parallelism.pipeline > 1:
-                from pipeline.ps.staged import StagedParameterServer
+                from pipeline.ps.server.staged import StagedParameterServer
 
                 ranges = stage_ranges(run)
                 log.info("pipeline parallelism: %d replicas x %d stages (parameter slices %s), %d micro-batches",
@@ -128,7 +128,7 @@ class DriverPS:
         if lr is not None:
             row["lr"] = lr  # the row is the history's: the rate reaches the epoch metrics and the curves
         if self.run.cfg.train.profile:  # the server's side of the epoch's breakdown, as ps/*_ms
-            from pipeline.ps.timing import EpochTiming
+            from pipeline.ps.server.timing import EpochTiming
 
             self._server_timing = self._server_timing or EpochTiming()
             row.update(self._server_timing.row(self.server.stats))

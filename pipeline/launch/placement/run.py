@@ -25,7 +25,7 @@ class TrainingRun:
     steps_per_epoch: int
     initial: "torch.Tensor"  # flat fp32: the seeded initialization or the warm start
     # The model's buffers as fp32 words (pipeline.models.state; empty: none): the initial model's or the
-    # warm start's. The server keeps them and merges the replicas' (pipeline.ps.buffers).
+    # warm start's. The server keeps them and merges the replicas' (pipeline.ps.state.buffers).
     initial_buffers: "torch.Tensor"
     expected_version: int  # the PS version once every planned step is applied
     store: CheckpointStore

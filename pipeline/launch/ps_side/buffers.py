@@ -1,5 +1,5 @@
 """Beside the PS (driver or rank 0's task): the server's store of a model's buffers, with the model's own
-merge rule (the server knows no model: ``pipeline.ps.buffers``)."""
+merge rule (the server knows no model: ``pipeline.ps.state.buffers``)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,7 +13,7 @@ def buffer_store(module, initial: "torch.Tensor"):
     from functools import partial
 
     from pipeline.models.state import buffer_layout, merge_buffers
-    from pipeline.ps.buffers import BufferStore
+    from pipeline.ps.state.buffers import BufferStore
 
     return BufferStore(initial, partial(merge_buffers, buffer_layout(module)))
 

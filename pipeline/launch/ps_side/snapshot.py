@@ -13,7 +13,7 @@ def epochs_left_unreported(state: dict, reports: dict, consistency, world_size: 
     (``EpochProgress.reports()``) does not hold: they would never be reported again. ``offset``: the run's
     step offset (a resume on another world size, pipeline.data.assignment.StreamPlan)."""
     from pipeline.launch.ps_side.progress import unreported_epochs
-    from pipeline.ps.modes import resume_step
+    from pipeline.ps.modes.consistency import resume_step
 
     total = offset + steps_per_epoch * epochs
     steps = {rank: resume_step(consistency, state, rank, total) - offset for rank in range(world_size)}

@@ -79,7 +79,7 @@ def make_task_fn(plans: list[WorkerPlan], wiring: TaskWiring) -> Callable[[Itera
 
 
 def _meeting_at_ps(context, plan: WorkerPlan, wiring: TaskWiring):
-    """A flat allreduce rank meets its group through the driver's PS (``pipeline.ps.meeting``: the barrier's
+    """A flat allreduce rank meets its group through the driver's PS (``pipeline.ps.server.meeting``: the barrier's
     allGather costs ~1 s per attempt), on this task's own address."""
     from pipeline.launch.task.rendezvous import own_host
     from pipeline.worker.distributed import MeetingAtPS

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import PSError, ProtocolError
-from pipeline.ps.protocol import DType, Header, MsgType
+from pipeline.ps.transport.protocol import DType, Header, MsgType
 from pipeline.ps.sparse.frames import PREFIX
 from pipeline.wire.deadline import deadline_after
 

@@ -1,4 +1,4 @@
-"""The server side of the sparse frames: one handler per message, registered in ``pipeline.ps.dispatch``.
+"""The server side of the sparse frames: one handler per message, registered in ``pipeline.ps.server.dispatch``.
 
 A frame whose header is inconsistent never gets here (``frames.check_header`` fails it in
 ``decode_header``: a protocol error, the connection is dropped). A well-framed request that names a
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from pipeline.errors import ProtocolError
-from pipeline.ps.messages import PROTOCOL, Ack, Refusal
-from pipeline.ps.protocol import DType, Header, MsgType
+from pipeline.ps.server.messages import PROTOCOL, Ack, Refusal
+from pipeline.ps.transport.protocol import DType, Header, MsgType
 from pipeline.ps.sparse.frames import PREFIX, ROW_ITEMSIZE
 from pipeline.wire.deadline import deadline_after
 

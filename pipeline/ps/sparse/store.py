@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.ps.messages import Refusal
-from pipeline.ps.modes import Consistency
+from pipeline.ps.server.messages import Refusal
+from pipeline.ps.modes.consistency import Consistency
 from pipeline.ps.sparse.table import SparseTable, bad_ids
-from pipeline.ps.staleness import weight
+from pipeline.ps.modes.staleness import weight
 
 logger = logging.getLogger(__name__)
 

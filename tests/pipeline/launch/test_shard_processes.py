@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _shard_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children() if "pipeline.ps.shard_process" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process().children() if "pipeline.ps.processes.shard_process" in " ".join(p.cmdline())]
 
 
 def _kill_a_shard_after_the_first_checkpoint(store, killed: dict, stop: threading.Event) -> None:

@@ -25,7 +25,7 @@ def digits(spark, tmp_path_factory):
 def test_a_tiny_job_trains_over_tls(spark, digits, caplog):
     cfg, manifest = digits
     assert cfg.ps.tls is True
-    caplog.set_level(logging.INFO, logger="pipeline.ps.listener")
+    caplog.set_level(logging.INFO, logger="pipeline.ps.transport.listener")
     result = train(spark, cfg, manifest)
     connected = [r.getMessage() for r in caplog.records if "connected from" in r.getMessage()]
     assert len(connected) == 2 and all("TLSv1.3" in line for line in connected), connected

@@ -18,7 +18,7 @@ from pipeline.parallel.link import (
     connect_link,
     decode_link_header,
 )
-from pipeline.ps.protocol import Header, MsgType  # a parameter-server frame, sent where it does not belong
+from pipeline.ps.transport.protocol import Header, MsgType  # a parameter-server frame, sent where it does not belong
 from pipeline.wire.deadline import CONNECT_KEY, LINK_KEY, Timeout
 from pipeline.wire.frames import HEADER_SIZE, NONCE_SIZE, Channel, DType, PeerClosedError
 

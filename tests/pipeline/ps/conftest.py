@@ -9,7 +9,7 @@ import torch
 
 from pipeline.errors import WorkerFailure
 from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, PSSettings, new_secret
-from pipeline.ps.modes import Consistency
+from pipeline.ps.modes.consistency import Consistency
 from pipeline.wire.deadline import STEP_KEY, Timeout
 
 HOST = "127.0.0.1"

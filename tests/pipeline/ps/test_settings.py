@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.errors import ConfigError, PSError
 from pipeline.ps import OptimizerSpec, PSSettings
-from pipeline.ps.modes import Consistency
+from pipeline.ps.modes.consistency import Consistency
 from pipeline.wire.deadline import STEP_KEY, Timeout
 
 

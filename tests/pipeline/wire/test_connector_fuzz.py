@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from pipeline.errors import PSError
 from pipeline.parallel.link import connect_link
 from pipeline.ps import PSClient, new_secret
-from pipeline.ps.protocol import Channel, MsgType
+from pipeline.ps.transport.protocol import Channel, MsgType
 from pipeline.wire.deadline import deadline_after
 from pipeline.wire.frames import HEADER, MAGIC, NONCE_SIZE, PROTOCOL_VERSION, U32_MAX
 from pipeline.wire.handshake import answer

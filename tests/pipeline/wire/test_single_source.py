@@ -11,7 +11,7 @@ import pytest
 import pipeline
 from pipeline.errors import PSError
 from pipeline.parallel import link
-from pipeline.ps import listener
+from pipeline.ps.transport import listener
 from pipeline.wire import handshake, sockets
 from pipeline.wire.deadline import Timeout, deadline_after
 

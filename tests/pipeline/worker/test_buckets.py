@@ -11,7 +11,7 @@ from pipeline.errors import PSError
 from pipeline.models import ModelSpec, build_model, flat_parameters
 from pipeline.models.flat import flat_gradients
 from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, PSSettings, new_secret
-from pipeline.ps.modes import Consistency, expected_version
+from pipeline.ps.modes.consistency import Consistency, expected_version
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import run
 from pipeline.worker.buckets import FlatModel

@@ -10,7 +10,7 @@ from pipeline.launch.ps_side.buffers import buffer_store
 from pipeline.models import ModelSpec, build_model, flat_buffers, flat_parameters, load_flat_state, loss_fn
 from pipeline.models.state import join_state
 from pipeline.ps import OptimizerSpec, ParameterServer, new_secret
-from pipeline.ps.modes import Consistency, expected_version
+from pipeline.ps.modes.consistency import Consistency, expected_version
 from pipeline.worker.loop import make_train_loader
 from pipeline.worker.plan import FaultPlan
 

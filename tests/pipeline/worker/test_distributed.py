@@ -1,5 +1,5 @@
 """A flat allreduce run's ranks find their group through the driver's parameter server
-(worker.distributed.MeetingAtPS over pipeline.ps.meeting): a real server, real clients, ranks in threads."""
+(worker.distributed.MeetingAtPS over pipeline.ps.server.meeting): a real server, real clients, ranks in threads."""
 import socket
 import threading
 

@@ -14,7 +14,7 @@ from pipeline.models import ModelSpec, build_model, flat_parameters
 from pipeline.parallel.link import StageListener
 from pipeline.parallel.stages import stage_slices
 from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
-from pipeline.ps.staged import StagedParameterServer
+from pipeline.ps.server.staged import StagedParameterServer
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.distributed import Rendezvous

@@ -13,7 +13,7 @@ from pipeline.errors import PSError
 from pipeline.data import read_tensors
 from pipeline.models import ModelSpec, build_model, flat_parameters, load_flat_parameters, loss_fn
 from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
-from pipeline.ps.modes import Consistency, expected_version
+from pipeline.ps.modes.consistency import Consistency, expected_version
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault

@@ -7,7 +7,7 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.ps import OptimizerSpec
-from pipeline.ps.schedule import ScheduleSpec
+from pipeline.ps.modes.schedule import ScheduleSpec
 from pipeline.worker.precision import LocalOptimizer, Precision
 
 

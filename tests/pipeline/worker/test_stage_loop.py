@@ -14,7 +14,7 @@ from pipeline.models import ModelSpec, build_model, flat_parameters, load_flat_p
 from pipeline.parallel.link import StageListener
 from pipeline.parallel.stages import split_stages, stage_slices
 from pipeline.ps import OptimizerSpec, PSSettings, new_secret
-from pipeline.ps.staged import StagedParameterServer
+from pipeline.ps.server.staged import StagedParameterServer
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker.loop import InjectedFault, make_train_loader

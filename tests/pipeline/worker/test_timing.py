@@ -16,7 +16,7 @@ import torch
 from pipeline.launch.ps_side.progress import EpochProgress
 from pipeline.models import ModelSpec, build_model, flat_parameters
 from pipeline.ps import OptimizerSpec, ParameterServer, PSSettings, new_secret
-from pipeline.ps.modes import Consistency
+from pipeline.ps.modes.consistency import Consistency
 from pipeline.wire.deadline import STEP_KEY, Timeout
 from pipeline.worker import WorkerPlan, run
 from pipeline.worker import timing
@@ -161,7 +161,7 @@ def test_a_synced_timer_waits_for_the_device_before_each_reading():
 
 
 def test_server_epoch_timing_is_the_difference_since_the_last_row():
-    from pipeline.ps.timing import EpochTiming
+    from pipeline.ps.server.timing import EpochTiming
 
     epochs = EpochTiming()
     first = epochs.row({"time_reduce_s": 0.01, "time_optimizer_s": 0.02, "time_sync_wait_s": 0.0, "timed_updates": 10})

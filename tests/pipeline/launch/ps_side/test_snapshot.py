@@ -13,7 +13,7 @@ from pipeline.launch.ps_side.progress import EpochProgress
 from pipeline.launch.ps_side.snapshot import SnapshotNotReady, take_snapshot
 from pipeline.checkpoints import Checkpointer
 from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, PSSettings, new_secret
-from pipeline.ps.modes import Consistency
+from pipeline.ps.modes.consistency import Consistency
 from pipeline.wire.deadline import STEP_KEY, Timeout
 
 STEPS_PER_EPOCH, EPOCHS, N = 2, 2, 4

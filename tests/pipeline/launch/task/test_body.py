@@ -37,7 +37,7 @@ def test_a_rank_whose_device_fails_before_connecting_fails_its_waiting_peer_at_o
                          host="127.0.0.1") as server:
         outcome = []
 
-        def rank_0_meets():  # what rank 0 of a flat allreduce run waits in (pipeline.ps.meeting)
+        def rank_0_meets():  # what rank 0 of a flat allreduce run waits in (pipeline.ps.server.meeting)
             with PSClient(*server.address, rank=0, secret=secret, timeout_s=30) as client:
                 client.connect()
                 try:

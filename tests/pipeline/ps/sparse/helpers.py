@@ -10,7 +10,7 @@ import torch.nn as nn
 from pipeline.models import flat_gradients, flat_parameters, load_flat_parameters
 from pipeline.models.sparse_embedding import ShardlineEmbedding, sparse_modules
 from pipeline.ps import OptimizerSpec, ParameterServer, PSClient, PSSettings
-from pipeline.ps.modes import Consistency
+from pipeline.ps.modes.consistency import Consistency
 from pipeline.ps.sparse.rowopt import RowOptimizerSpec
 from pipeline.ps.sparse.store import SparseStore
 from pipeline.ps.sparse.table import RowPolicy, SparseTable

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from pipeline.errors import PSError
-from pipeline.ps.protocol import DType, Header, MsgType
+from pipeline.ps.transport.protocol import DType, Header, MsgType
 from pipeline.ps.sparse.frames import MAX_IDS, PREFIX
 from pipeline.ps.sparse.rowopt import RowOptimizerSpec
 from pipeline.wire.deadline import deadline_after
 from tests.pipeline.ps.sparse.helpers import DIM, ROWS, TwoTables, make_server, run_ranks, train_rank
-from tests.pipeline.ps.test_wire_fuzz import wait_until
+from tests.pipeline.ps.transport.test_wire_fuzz import wait_until
 
 STEPS = 4
 
@@ -107,7 +107,7 @@ def test_a_header_over_the_cap_drops_that_connection_and_the_server_trains_on(se
 ])
 def test_inconsistent_sparse_headers_fail_before_any_payload_is_read(msg, dtype, count, length, reason):
     from pipeline.errors import ProtocolError
-    from pipeline.ps.protocol import decode_header
+    from pipeline.ps.transport.protocol import decode_header
 
     with pytest.raises(ProtocolError, match=reason):
         decode_header(Header(msg, 1, 0, 0, dtype, count, length).pack(), max_elements=10)

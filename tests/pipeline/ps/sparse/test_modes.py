@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.ps.modes import Consistency
+from pipeline.ps.modes.consistency import Consistency
 from pipeline.ps.sparse.rowopt import RowOptimizerSpec
 from tests.pipeline.ps.sparse.helpers import TwoTables, make_server, run_ranks, train_rank
 
