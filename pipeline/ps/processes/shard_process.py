@@ -101,8 +101,9 @@ def _handle(hosted: Hosted, shard: Any, buffers: Any, op: str, args: tuple) -> A
     raise ValueError(f"the shard process does not answer {op!r} {args[:1]!r}")
 
 
-def serve(requests: Any, replies: Any, events_conn: Any) -> None:
-    """Build the shard from the first message, then answer calls until the parent's end closes."""
+def serve(requests: Any, replies: Any, events_conn: Any, *, on_ready: Callable[[Any], None] | None = None) -> None:
+    """Build the shard from the first message, then answer calls until the parent's end closes.
+    ``on_ready(shard)`` answers the parent's ``ready`` (ps.placement=hosts: the shard is set up, tell the task)."""
     init = requests.recv()
     if not isinstance(init, ShardInit) or init.kind not in HOSTED:
         raise SystemExit(f"shard process: the first message must be a ShardInit of a known kind, got "
@@ -123,6 +124,9 @@ def serve(requests: Any, replies: Any, events_conn: Any) -> None:
                 logger.info("parameter server shard %s: the driver's end closed, shutting down", init.shard_index)
                 return
             try:
+                if op == "ready" and on_ready is not None:
+                    replies.send(("ok", on_ready(shard)))
+                    continue
                 replies.send(("ok", _handle(hosted, shard, buffers, op, args)))
             except Exception as exc:  # the parent re-raises it as a PSError naming this shard
                 replies.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -51,11 +51,13 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-class ShardProcess:
-    """Parent side of one shard process (see module docstring). Spawned at construction, so the K
-    children of a server import torch at the same time; ``start()`` binds and returns the address."""
+class ShardProxy:
+    """The driver's side of one shard that runs in another process, over its three channels (requests,
+    replies, events: pipes to a child, or the control links of a shard on a worker host). Subclasses say
+    how the process is reached and how its end is told: ``_exit_text``, ``_gone``, ``_reap``, ``_where``."""
 
-    def __init__(self, init: ShardInit, *, failure_sink: Callable[[WorkerFailure, bool, int], None] | None,
+    def __init__(self, init: ShardInit, channels: tuple[Any, Any, Any], *, pid: int,
+                 failure_sink: Callable[[WorkerFailure, bool, int], None] | None,
                  on_metrics: Callable[[int, dict], None] | None, on_death: Callable[[str], None],
                  on_buffers: Callable[[int, Any], None] | None = None) -> None:
         self._index, self._start, self._num_params = init.shard_index, init.start, init.initial.numel()
@@ -69,31 +71,28 @@ class ShardProcess:
                                       "registered_ranks": set(), "finished_ranks": set(), "failures": {},
                                       "root_failures": {}, "waiting_ranks": {}, "stats": {}}
         self.address_or_none: tuple[str, int] | None = None
-        pipes = [os.pipe() for _ in range(3)]  # requests, replies, events; not inheritable but for pass_fds
-        (req_r, req_w), (rep_r, rep_w), (ev_r, ev_w) = pipes
-        child_fds = (req_r, rep_w, ev_w)
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.ps.processes.shard_process", "--requests", str(req_r), "--replies",
-                 str(rep_w), "--events", str(ev_w)], pass_fds=child_fds, stdin=subprocess.DEVNULL,
-                stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
-        except BaseException:
-            for fd in (fd for pair in pipes for fd in pair):
-                os.close(fd)
-            raise
-        for fd in child_fds:  # only the child holds these now: its death closes the pipes
-            os.close(fd)
-        self._requests = Pipe(req_w, readable=False)
-        self._replies = Pipe(rep_r, readable=True)
-        self._events = Pipe(ev_r, readable=True)
-        self.pid = self._proc.pid
+        self._requests, self._replies, self._events = channels
+        self.pid = pid
         self._reader = threading.Thread(target=self._read_events, daemon=True, name=f"ps-shard-{self._index}-events")
         self._reader.start()
         try:
             with self._lock:
-                self._requests.send(init)  # the secret goes down the pipe, never argv or the environment
+                self._requests.send(init)  # the secret goes down the channel, never argv or the environment
         except OSError:
-            pass  # the child died at once; the reader reports it and start() raises
+            pass  # the process died at once; the reader reports it and start() raises
+
+    # -- how the process is reached (subclasses) -------------------------------------------------------
+    def _exit_text(self) -> str:
+        raise NotImplementedError
+
+    def _gone(self) -> bool:
+        raise NotImplementedError
+
+    def _reap(self) -> None:
+        raise NotImplementedError
+
+    def _where(self) -> str:
+        return f"pid {self.pid}"
 
     # -- the pipes -----------------------------------------------------------------------------------
     def _call(self, op: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
@@ -139,22 +138,18 @@ class ShardProcess:
 
     def _died(self) -> str:
         if self._death is None:
-            try:
-                code = self._proc.wait(_REAP_S)
-            except subprocess.TimeoutExpired:
-                code = None
-            self._death = f"{self.describe()} died: {_exit_text(code)}"
+            self._death = f"{self.describe()} died: {self._exit_text()}"
             logger.error("%s", self._death)
         return self._death
 
     def describe(self) -> str:
         where = "%s:%s" % self.address_or_none if self.address_or_none else "not listening yet"
-        return (f"parameter server shard {self._index} (pid {self.pid}, {where}, params "
+        return (f"parameter server shard {self._index} ({self._where()}, {where}, params "
                 f"[{self._start}, {self._start + self._num_params}))")
 
     @property
     def dead(self) -> bool:
-        return self._death is not None or self._proc.poll() is not None
+        return self._death is not None or self._gone()
 
     def _view(self, name: str) -> Any:
         if self._death is None:
@@ -165,7 +160,7 @@ class ShardProcess:
         return self._last[name]
 
     # -- ShardServer's surface -----------------------------------------------------------------------
-    def start(self) -> ShardProcess:
+    def start(self) -> ShardProxy:
         self.address_or_none = tuple(self._call("call", "start", timeout=START_TIMEOUT_S) or
                                      self._call("get", "address"))
         logger.info("%s started", self.describe())
@@ -180,14 +175,9 @@ class ShardProcess:
             self._call("call", "close", timeout=_REAP_S + 5)
         except PSError:
             pass  # dead or hung: reaped below either way
-        for conn in (self._requests, self._replies):
+        for conn in {id(c): c for c in (self._requests, self._replies)}.values():
             conn.close()
-        try:
-            self._proc.wait(_REAP_S)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not exit; killing it", self.describe())
-            self._proc.kill()
-            self._proc.wait()
+        self._reap()
         self._reader.join(_REAP_S)
         self._events.close()
 
@@ -280,6 +270,47 @@ class ShardProcess:
         return stats
 
 
+class ShardProcess(ShardProxy):
+    """Parent side of one shard process on this host (see module docstring). Spawned at construction, so
+    the K children of a server import torch at the same time; ``start()`` binds and returns the address."""
+
+    def __init__(self, init: ShardInit, **callbacks: Any) -> None:
+        pipes = [os.pipe() for _ in range(3)]  # requests, replies, events; not inheritable but for pass_fds
+        (req_r, req_w), (rep_r, rep_w), (ev_r, ev_w) = pipes
+        child_fds = (req_r, rep_w, ev_w)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.ps.processes.shard_process", "--requests", str(req_r), "--replies",
+                 str(rep_w), "--events", str(ev_w)], pass_fds=child_fds, stdin=subprocess.DEVNULL,
+                stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
+        except BaseException:
+            for fd in (fd for pair in pipes for fd in pair):
+                os.close(fd)
+            raise
+        for fd in child_fds:  # only the child holds these now: its death closes the pipes
+            os.close(fd)
+        channels = (Pipe(req_w, readable=False), Pipe(rep_r, readable=True), Pipe(ev_r, readable=True))
+        super().__init__(init, channels, pid=self._proc.pid, **callbacks)
+
+    def _exit_text(self) -> str:
+        try:
+            code = self._proc.wait(_REAP_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        return _exit_text(code)
+
+    def _gone(self) -> bool:
+        return self._proc.poll() is not None
+
+    def _reap(self) -> None:
+        try:
+            self._proc.wait(_REAP_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not exit; killing it", self.describe())
+            self._proc.kill()
+            self._proc.wait()
+
+
 class BuffersInChild:
     """The facade's buffer store with ps.server_processes: the driver's own ``BufferStore`` (the model's
     merge rule stays here), fed by shard 0's child, whose mirror answers PULL_BUFFERS from the base set
@@ -287,7 +318,7 @@ class BuffersInChild:
 
     _SYNC_S = 10.0
 
-    def __init__(self, store: Any, shard: Callable[[], ShardProcess]) -> None:
+    def __init__(self, store: Any, shard: Callable[[], ShardProxy]) -> None:
         self._store = store
         self._shard = shard  # the current shard 0 (a revived child replaces the dead one)
         self._received = 0

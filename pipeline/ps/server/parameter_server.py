@@ -77,7 +77,8 @@ class ParameterServer:
                  host: str, port: int = 0, generation: int = 1,
                  on_metrics: Callable[[int, dict], None] | None = None,
                  on_failure: FailureObserver | None = None, buffers: BufferStore | None = None,
-                 tls: ServerCert | None = None, sparse: Any = None) -> None:
+                 tls: ServerCert | None = None, sparse: Any = None,
+                 spawn: Callable[..., Any] | None = None) -> None:
         if not isinstance(settings, PSSettings):
             raise PSError(f"ParameterServer needs PSSettings, got {type(settings).__name__}")
         if not isinstance(initial, torch.Tensor) or initial.numel() == 0:
@@ -88,7 +89,10 @@ class ParameterServer:
         self._settings = settings
         # The model's buffers live beside shard 0's parameters (pipeline.ps.state.buffers).
         self._buffers = buffers
-        processes = settings.server_processes
+        # ps.placement=hosts: spawn(init, **callbacks) gives shard i's proxy in a process on a worker host
+        # (pipeline.ps.processes.remote_shard); else ps.server_processes' children on this host.
+        processes = settings.server_processes or spawn is not None
+        self._spawn = spawn
         if processes and sparse is not None:
             # The row store is plain state (pipeline.ps.sparse) but the child's ShardInit does not carry it yet.
             raise PSError("sparse embedding tables (ps.sparse.min_rows) are served by in-process shards only: "
@@ -134,15 +138,17 @@ class ParameterServer:
                        buffers: BufferStore | None, **common: Any) -> Any:
         from pipeline.ps.state.buffers import BufferSpec
         from pipeline.ps.processes.shard_init import ShardInit
-        from pipeline.ps.processes.shard_proxy import ShardProcess
-
         start, end = self._ranges[i]
         spec = BufferSpec(buffers.start()) if i == 0 and buffers is not None else None
         init = ShardInit("dense", flat[start:end].clone(), port=port if i == 0 else 0, generation=generation,
                          shard_index=i, start=start, total_params=self._num_params, buffers=spec, report_failures=True,
                          forward_metrics=i == 0 and on_metrics is not None, **common)
-        return ShardProcess(init, failure_sink=self._board, on_metrics=on_metrics if i == 0 else None,
-                            on_death=self._shard_died, on_buffers=None if spec is None else self._buffers.report)
+        if self._spawn is None:
+            from pipeline.ps.processes.shard_proxy import ShardProcess as spawn
+        else:
+            spawn = self._spawn
+        return spawn(init, failure_sink=self._board, on_metrics=on_metrics if i == 0 else None,
+                     on_death=self._shard_died, on_buffers=None if spec is None else self._buffers.report)
 
     def _shard_died(self, text: str) -> None:
         """A shard process died: every other shard fails its waiters with the one text naming it."""
@@ -193,7 +199,7 @@ class ParameterServer:
     def server_cpu_seconds(self) -> float:
         """CPU seconds the server used so far: its shard processes' own (ps.server_processes), else this
         whole process's (the shards are threads of it)."""
-        if self._settings.server_processes:
+        if self._settings.server_processes or self._spawn is not None:
             return sum(s.cpu_seconds() for s in self._shards)
         import time
 
@@ -229,6 +235,11 @@ class ParameterServer:
     def shards(self) -> list[ShardAddress]:
         """Every shard's address and ``[start, end)`` range."""
         return [ShardAddress(*s.address, start, end) for s, (start, end) in zip(self._shards, self._ranges)]
+
+    @property
+    def members(self) -> list[Any]:
+        """The shard servers (or their proxies), in slice order."""
+        return list(self._shards)
 
     @property
     def address(self) -> tuple[str, int]:

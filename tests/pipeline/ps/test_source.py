@@ -29,6 +29,18 @@ def test_the_control_pipe_reads_only_pipes_never_the_network() -> None:
     text = (PS / CONTROL_PIPE).read_text()
     assert not re.search(r"\b(socket|Listener|Client|connect|bind|accept)\b", text.split('"""', 2)[2])
     # Only the proxy (parent) and the child entry point use it; the wire-facing modules do not.
-    users = [p.name for p in PS.rglob("*.py") if "control_pipe" in p.read_text()
-             and p.relative_to(PS) != Path(CONTROL_PIPE)]
+    users = [p.name for p in PS.rglob("*.py") if "processes.control_pipe import" in p.read_text()]
     assert sorted(users) == ["shard_process.py", "shard_proxy.py"], users
+
+
+def test_the_control_codec_reaches_the_network_only_behind_the_handshake() -> None:
+    """ps.placement=hosts carries the same data-only messages over TCP: only the control link uses the
+    codec besides the pipe, and it authenticates both ways before it reads a message."""
+    users = sorted(p.name for p in PS.rglob("*.py") if "processes.codec import" in p.read_text())
+    assert users == ["control_link.py", "control_pipe.py"], users
+    link = (PS / "processes" / "control_link.py").read_text()
+    assert "client_handshake(" in link and "mutual=True" in link
+    registry = (PS / "processes" / "registry.py").read_text()
+    admit = registry.split("def _admit", 1)[1].split("\n    def ", 1)[0]
+    assert admit.index("server_handshake(") < admit.index("link.recv()"), "a message read before the handshake"
+    assert "mutual=True" in admit

@@ -10,7 +10,8 @@ import torch
 from pipeline.errors import WorkerFailure
 from pipeline.ps import OptimizerSpec, PSSettings
 from pipeline.ps.transport.connection import ShardAddress
-from pipeline.ps.processes.control_pipe import Pipe, decode, encode
+from pipeline.ps.processes.codec import decode, encode
+from pipeline.ps.processes.control_pipe import Pipe
 
 
 def test_state_dicts_settings_and_failures_round_trip_exactly():

@@ -1,0 +1,47 @@
+"""One parameter-server shard in a process on a worker host (``ps.placement: hosts``): the driver's side.
+
+The same proxy as a shard process on the driver's host (``shard_proxy.ShardProxy``: the facade, fan-out
+and failure board see the surface of a ``ShardServer``), reached over the two authenticated control links
+the process opened to the driver's registry instead of pipes. The driver cannot reap a process on
+another machine: the process ends itself when its links close (``host_shard``), and a link that breaks
+is the shard's death, named with its host.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pipeline.ps.processes.registry import HostChild
+from pipeline.ps.processes.shard_init import ShardInit
+from pipeline.ps.processes.shard_proxy import ShardProxy
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteShard(ShardProxy):
+    """The driver's proxy of the shard process ``child`` (its links are this object's from now on)."""
+
+    def __init__(self, init: ShardInit, child: HostChild, **callbacks: Any) -> None:
+        self._child = child
+        super().__init__(init, (child.calls, child.calls, child.events), pid=child.pid, **callbacks)
+
+    @property
+    def host_index(self) -> int:
+        return self._child.index
+
+    def ready(self) -> None:
+        """The shard is set up (started, layout announced, state loaded): its process tells its task."""
+        self._call("ready")
+
+    def _where(self) -> str:
+        return f"host {self._child.index} {self._child.host}, pid {self.pid}"
+
+    def _exit_text(self) -> str:
+        return ("its control link to the driver broke: the host is down or cut off, or the process (or the "
+                "barrier task that started it) died")
+
+    def _gone(self) -> bool:
+        return False  # a remote process is known gone only by its links (the events reader notices)
+
+    def _reap(self) -> None:
+        self._child.close()  # the process shuts its shard down when its links close

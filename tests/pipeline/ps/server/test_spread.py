@@ -1,0 +1,181 @@
+"""ps.placement=hosts at the PS level: real host-shard processes (``python -m pipeline.ps.processes.host_shard``)
+reach a real registry over the authenticated wire, the SpreadServer attaches them, real clients train.
+Every "host" is 127.0.0.1 here; tests/cluster runs it on separate network namespaces."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import pytest
+import torch
+
+from pipeline.errors import PSError, PSTimeoutError
+from pipeline.models.state import merge_buffers
+from pipeline.ps import OptimizerSpec, PSClient, PSSettings
+from pipeline.ps.modes.consistency import Consistency
+from pipeline.ps.processes.host_shard import Bootstrap, HostShardProcess
+from pipeline.ps.processes.registry import ShardRegistry
+from pipeline.ps.server.spread import SpreadServer
+from pipeline.ps.state.buffers import BufferStore
+from pipeline.wire.deadline import CONNECT_KEY, STEP_KEY, Timeout
+
+HOST = "127.0.0.1"
+N = 13
+SGD = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9)
+CONNECT = Timeout(20.0, CONNECT_KEY)  # a fresh Python importing torch per host process
+
+
+def _settings(mode: str = "sync") -> PSSettings:
+    return PSSettings(optimizer=SGD, consistency=Consistency(mode=mode), step_timeout=Timeout(10.0, STEP_KEY),
+                      server_threads=1)
+
+
+def _buffers() -> BufferStore:
+    return BufferStore(torch.zeros(3), functools.partial(merge_buffers, (("float32", 3),)))
+
+
+class Hosts:
+    """A registry and ``count`` host-shard processes for one generation (closed by the test's end)."""
+
+    def __init__(self, secret: bytes, count: int, generation: int = 1) -> None:
+        self.registry = ShardRegistry(HOST, secret, generation, max_bytes=1 << 24)
+        self.processes = [HostShardProcess(Bootstrap(
+            registry=self.registry.address, secret_hex=secret.hex(), generation=generation, index=i, hosts=count,
+            host=HOST, connect_s=CONNECT.seconds, connect_key=CONNECT.key, max_bytes=1 << 24)) for i in range(count)]
+
+    def attach(self, server: SpreadServer, generation: int = 1) -> None:
+        server.attach(self.registry.wait_for_hosts(CONNECT), generation)
+        for p in self.processes:
+            p.wait_ready(CONNECT)
+
+    def close(self) -> None:
+        self.registry.close()
+        for p in self.processes:
+            p.close()
+
+
+@pytest.fixture
+def hosts(secret):
+    made: list[Hosts] = []
+
+    def make(count: int, generation: int = 1) -> Hosts:
+        made.append(Hosts(secret, count, generation))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def _train(address, secret, grads, generation=1, first_step=0):
+    clients = [PSClient(*address, rank=r, secret=secret, generation=generation, timeout_s=10.0) for r in range(2)]
+    try:
+        for c in clients:
+            c.connect()
+        for step, per_rank in enumerate(grads, start=first_step):
+            for client, grad in zip(clients, per_rank):
+                client.push(step, grad)
+            for client in clients:
+                client.pull(step + 1)
+        for rank, c in enumerate(clients):
+            c.push_buffers(len(grads), torch.full((3,), float(rank + 1)))
+        for c in clients:
+            c.finish()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_shards_on_two_hosts_train_bit_for_bit_like_the_driver_server(hosts, make_server, secret):
+    torch.manual_seed(0)
+    initial = torch.randn(N)
+    grads = [[torch.randn(N) for _ in range(2)] for _ in range(4)]
+    reference = make_server(initial, world_size=2, shards=1, optimizer=SGD, timeout_s=10.0, buffers=_buffers())
+    _train(reference.address, secret, grads)
+
+    metrics: list = []
+    spread = SpreadServer(initial, _settings(), world_size=2, secret=secret, buffers=_buffers(),
+                          on_metrics=lambda rank, m: metrics.append(rank))
+    bed = hosts(2)
+    bed.attach(spread)
+    layout = spread.shards
+    assert [(a.start, a.end) for a in layout] == [(0, 7), (7, 13)]
+    assert {a.port for a in layout} == {p.address[1] for p in bed.processes}  # each process serves its slice
+    _train(spread.address, secret, grads)
+    assert spread.finished_ranks == {0, 1}
+    assert spread.detach()
+    assert not spread.attached
+    # fp32 sums of two ranks and an elementwise optimizer: the same bits as one driver-hosted shard
+    assert torch.equal(spread.parameters(), reference.parameters())
+    assert spread.version == 4
+    assert torch.equal(spread.buffers(), torch.full((3,), 1.5))  # the replicas' buffers, merged on the driver
+    for p in bed.processes:  # detaching closed the shards: their processes end by themselves
+        assert p.wait_exit() == 0
+
+
+def test_a_retry_attaches_other_hosts_and_continues_from_the_kept_state(hosts, make_server, secret):
+    torch.manual_seed(1)
+    initial = torch.randn(N)
+    grads = [[torch.randn(N) for _ in range(2)] for _ in range(4)]
+    reference = make_server(initial, world_size=2, shards=1, optimizer=SGD, timeout_s=10.0, buffers=_buffers())
+    _train(reference.address, secret, grads)
+
+    spread = SpreadServer(initial, _settings(), world_size=2, secret=secret, buffers=_buffers())
+    first = hosts(2)
+    first.attach(spread)
+    _train(spread.address, secret, grads[:2])
+    assert spread.detach()
+    assert spread.new_generation() == 2
+    second = hosts(3, generation=2)  # the next attempt lands on three hosts: the slices are re-spread
+    second.attach(spread, generation=2)
+    assert len(spread.shards) == 3
+    _train(spread.address, secret, grads[2:], generation=2, first_step=2)
+    assert spread.detach()
+    assert torch.equal(spread.parameters(), reference.parameters())  # momentum carried across the re-spread
+
+
+def test_a_killed_host_shard_fails_the_attempt_naming_it_and_leaves_no_state(hosts, secret):
+    spread = SpreadServer(torch.zeros(N), _settings(), world_size=2, secret=secret)
+    bed = hosts(2)
+    bed.attach(spread)
+    client = PSClient(*spread.address, rank=0, secret=secret, generation=1, timeout_s=10.0)
+    try:
+        client.connect()
+        client.push(0, torch.ones(N))
+        victim = bed.processes[1].pid
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(PSError, match=f"shard 1 \\(host 1 {HOST}, pid {victim}.*control link") as caught:
+            client.pull(1)
+        assert not isinstance(caught.value, PSTimeoutError)  # released by the death, not the step deadline
+    finally:
+        client.close()
+    assert spread.aborted and f"pid {victim}" in spread.failure_cause
+    assert not spread.detach()
+    with pytest.raises(PSError, match="no consistent state"):
+        spread.state_dict()
+
+
+def test_hosts_that_disagree_or_never_come_are_named(secret):
+    registry = ShardRegistry(HOST, secret, 1, max_bytes=1 << 20)
+    try:
+        with pytest.raises(PSTimeoutError, match=r"host\(s\) every host.*raise timeouts.connect_s"):
+            registry.wait_for_hosts(Timeout(0.3, CONNECT_KEY))
+    finally:
+        registry.close()
+
+
+def test_a_process_without_the_secret_is_refused(secret, hosts):
+    from pipeline.ps import new_secret
+
+    registry = ShardRegistry(HOST, secret, 1, max_bytes=1 << 20)
+    intruder = HostShardProcess(Bootstrap(registry=registry.address, secret_hex=new_secret().hex(), generation=1,
+                                          index=0, hosts=1, host=HOST, connect_s=10.0, connect_key=CONNECT_KEY,
+                                          max_bytes=1 << 20))
+    try:
+        assert intruder.wait_exit() != 0  # it could not authenticate
+        with pytest.raises(PSTimeoutError, match="every host"):
+            registry.wait_for_hosts(Timeout(0.3, CONNECT_KEY))
+    finally:
+        intruder.close()
+        registry.close()
