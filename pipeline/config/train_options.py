@@ -53,7 +53,7 @@ class DivergenceConfig(Section):
     """``train.divergence``: a non-finite training loss, or an epoch's train loss over ``factor`` x the best
     epoch's (and over the first epoch's), stops training and keeps the best epoch's parameters."""
 
-    # null: on where it is supported (train.backend=ps with ps.placement=driver), off elsewhere.
+    # null: on where it is supported (train.backend=ps with ps.placement=driver or hosts), off elsewhere.
     enabled: Optional[bool] = None
     # an epoch whose train loss exceeds factor x the best epoch's (and the first's) counts as diverged
     factor: float = Field(10.0, gt=1)
@@ -73,13 +73,19 @@ def check_combinations(cfg) -> None:
         if train.backend == "ps" and cfg.ps.shards > 1 and cfg.ps.mode != "average":
             raise ValueError("train.clip_grad_norm with train.backend=ps needs ps.shards=1: each shard steps its "
                              "own slice, so the global norm would need a round between shards; set ps.shards=1")
+        if train.backend == "ps" and cfg.ps.placement == "hosts" and cfg.ps.mode != "average":
+            raise ValueError("train.clip_grad_norm with ps.placement=hosts: each host's shard steps its own slice, "
+                             "so the global norm would need a round between hosts; set ps.placement=driver")
+    if cfg.ps.placement == "hosts" and train.backend != "ps":
+        raise ValueError("ps.placement=hosts spreads the parameter server's shards over the hosts; "
+                         f"train.backend={train.backend} has no server state to spread: set ps.placement=driver")
     if train.precision != "fp32" and p.pipeline > 1:
         raise ValueError(f"train.precision={train.precision} needs parallelism.pipeline=1 (stages exchange fp32 "
                          "activations); use train.precision=fp32")
     watching = train.early_stopping.enabled or train.divergence.enabled is True
-    if watching and (train.backend != "ps" or cfg.ps.placement != "driver"):
+    if watching and (train.backend != "ps" or cfg.ps.placement == "task"):
         raise ValueError("train.early_stopping / train.divergence need train.backend=ps and ps.placement=driver "
-                         "(the best epoch is kept beside the driver's parameter server); set "
+                         "or hosts (the best epoch is kept by the driver); set "
                          "train.early_stopping.enabled=false and train.divergence.enabled=false")
 
 
@@ -89,4 +95,4 @@ def divergence_on(cfg) -> bool:
     enabled = cfg.train.divergence.enabled
     if enabled is not None:
         return enabled
-    return cfg.train.backend == "ps" and cfg.ps.placement == "driver"
+    return cfg.train.backend == "ps" and cfg.ps.placement != "task"

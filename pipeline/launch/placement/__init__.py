@@ -2,7 +2,8 @@
 
 ``DriverPS``: in this process; it outlives a failed attempt, so a retry continues from its state.
 ``TaskPS``: in rank 0's barrier task; it dies with a failed attempt, so a retry restarts it from this
-run's newest checkpoint. Both run their attempts through ``attempts.run_attempts``.
+run's newest checkpoint. ``HostsPS``: one shard per worker host, this process the coordinator; the state
+lives here between attempts. All run their attempts through ``attempts.run_attempts``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ __all__ = ["Outcome", "TrainingRun", "placement_for"]
 
 
 def placement_for(run: TrainingRun):
-    from pipeline.launch.placement.task_hosted import TaskPS
     from pipeline.launch.placement.driver_hosted import DriverPS
+    from pipeline.launch.placement.hosts_spread import HostsPS
+    from pipeline.launch.placement.task_hosted import TaskPS
 
-    return TaskPS(run) if run.cfg.ps.placement == "task" else DriverPS(run)
+    return {"task": TaskPS, "hosts": HostsPS}.get(run.cfg.ps.placement, DriverPS)(run)

@@ -66,7 +66,7 @@ class DriverPS:
     def __enter__(self) -> "DriverPS":
         from pipeline.checkpoints import Checkpointer
         from pipeline.launch.ps_side.progress import StepProgress
-        from pipeline.ps import ParameterServer, new_secret
+        from pipeline.ps import new_secret
         from pipeline.wire.tls import job_cert
 
         run, cfg = self.run, self.run.cfg
@@ -75,24 +75,10 @@ class DriverPS:
                  cfg.parallelism.tasks, run.steps_per_epoch, cfg.train.epochs, run.initial.numel(), host)
         self._secret = new_secret()
         self._tls = job_cert(cfg.ps.tls)  # ps.tls: the per-job certificate, shipped with the secret
+        self._host = host
         settings = ps_settings(cfg, run.steps_per_epoch, run.step_offset, local_workers=local_master(run.spark))
-        common = dict(secret=self._secret, host=host, generation=1, on_metrics=run.progress, tls=self._tls)
         try:
-            from pipeline.launch.sparse_tables import sparse_store
-
-            self.sparse = sparse_store(cfg, run.spec, cfg.parallelism.tasks)  # ps.sparse: None without tables
-            if cfg.parallelism.pipeline > 1:
-                from pipeline.ps.server.staged import StagedParameterServer
-
-                ranges = stage_ranges(run)
-                log.info("pipeline parallelism: %d replicas x %d stages (parameter slices %s), %d micro-batches",
-                         cfg.parallelism.data, cfg.parallelism.pipeline, ranges, cfg.parallelism.micro_batches)
-                server = StagedParameterServer(run.initial, ranges, settings, replicas=cfg.parallelism.data,
-                                               stage_buffers=run.stage_buffer_stores(), **common)
-            else:
-                server = ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks,
-                                         buffers=run.buffer_store(), sparse=self.sparse, **common)
-            self.server = self._stack.enter_context(server)
+            self.server = self._stack.enter_context(self._build_server(settings))
             if run.resumed is not None:
                 self.server.load_state_dict(run.resumed["ps"])
                 run.progress.restore(run.resumed)
@@ -120,6 +106,25 @@ class DriverPS:
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+
+    def _build_server(self, settings):
+        """The run's parameter server (staged with pipeline stages), not started."""
+        from pipeline.launch.sparse_tables import sparse_store
+        from pipeline.ps import ParameterServer
+
+        run, cfg = self.run, self.run.cfg
+        common = dict(secret=self._secret, host=self._host, generation=1, on_metrics=run.progress, tls=self._tls)
+        self.sparse = sparse_store(cfg, run.spec, cfg.parallelism.tasks)  # ps.sparse: None without tables
+        if cfg.parallelism.pipeline > 1:
+            from pipeline.ps.server.staged import StagedParameterServer
+
+            ranges = stage_ranges(run)
+            log.info("pipeline parallelism: %d replicas x %d stages (parameter slices %s), %d micro-batches",
+                     cfg.parallelism.data, cfg.parallelism.pipeline, ranges, cfg.parallelism.micro_batches)
+            return StagedParameterServer(run.initial, ranges, settings, replicas=cfg.parallelism.data,
+                                         stage_buffers=run.stage_buffer_stores(), **common)
+        return ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks, buffers=run.buffer_store(),
+                               sparse=self.sparse, **common)
 
     def on_epoch(self, row: dict) -> None:
         from pipeline.launch.monitor import epoch_lr
@@ -158,20 +163,27 @@ class DriverPS:
 
     def run_attempt(self, attempt: int) -> list[dict]:
         """One barrier job against this PS; raises WorkerTrainingFailedError naming the root-cause rank(s)."""
-        from pipeline.launch.ps_side.watchdog import StageWatchdog
-        from pipeline.launch.task.body import TaskWiring, make_task_fn
+        from pipeline.launch.task.body import TaskWiring
 
         run, cfg, server = self.run, self.run.cfg, self.server
         plans = worker_plans(cfg, run.manifest, run.spec, run.steps_per_epoch, server.generation, attempt,
                              getattr(server, "addresses", None), stream=run.stream)
-        task_fn = make_task_fn(plans, TaskWiring(self._secret, cfg.train.log_tail_lines, ps=tuple(server.address),
-                                                 tls=self._tls))
+        return self._run_job(attempt, plans, TaskWiring(self._secret, cfg.train.log_tail_lines,
+                                                        ps=tuple(server.address), tls=self._tls))
+
+    def _run_job(self, attempt: int, plans: list, wiring, guards: tuple = ()) -> list[dict]:
+        """The attempt's barrier job with the PS-side guards (and the placement's own ``guards``)."""
+        from pipeline.launch.ps_side.watchdog import StageWatchdog
+        from pipeline.launch.task.body import make_task_fn
+
+        run, cfg, server = self.run, self.run.cfg, self.server
+        task_fn = make_task_fn(plans, wiring)
         tag = new_tag()
         watchdog = StageWatchdog(server, cfg.parallelism.tasks, connect_timeout_s=deadlines(cfg).connect,
                                  grace_s=failed_attempt_grace(cfg), cancel=lambda reason: _cancel(run.spark, tag))
         log.info("barrier attempt %d (generation %d) from step %d", attempt, server.generation, server.version)
         self._attempt = attempt
-        guards = (watchdog, self._bar) + ((self._stall,) if self._stall is not None else ())
+        guards = (*guards, watchdog, self._bar) + ((self._stall,) if self._stall is not None else ())
         try:
             rows = run_barrier_job(run.spark, task_fn, cfg.parallelism.tasks, tag=tag, guards=guards,
                                    on_job_error=lambda exc: self._job_failure(exc, attempt, watchdog))

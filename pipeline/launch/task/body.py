@@ -15,6 +15,7 @@ from pipeline.worker.device import bind_device, choose_device
 from pipeline.worker.plan import WorkerPlan
 
 if TYPE_CHECKING:
+    from pipeline.launch.task.host_shard import HostShardWiring
     from pipeline.launch.task.hosted_ps import HostedPSSpec
     from pipeline.wire.tls import PinnedCert, ServerCert
 
@@ -34,6 +35,9 @@ class TaskWiring:
     # ps.tls: the job's certificate and key (pipeline.wire.tls.ServerCert) for whichever process listens;
     # connectors pin its fingerprint. None: plain TCP.
     tls: Optional["ServerCert"] = None
+    # ps.placement=hosts: the driver's registry the first task of each host starts its shard against; the
+    # PS address is then shard 0's, offered by rank 0 in the allGather.
+    hosts: Optional["HostShardWiring"] = None
 
     @property
     def pinned(self) -> Optional["PinnedCert"]:
@@ -64,7 +68,7 @@ def make_task_fn(plans: list[WorkerPlan], wiring: TaskWiring) -> Callable[[Itera
         context = BarrierTaskContext.get()
         plan = plans[context.partitionId()]
         gpu = assigned_gpu(context.resources())
-        if wiring.hosted is None and plan.stage is None:  # the driver's PS: no barrier rendezvous at all
+        if wiring.hosted is None and wiring.hosts is None and plan.stage is None:  # the driver's PS: no rendezvous
             try:
                 meeting = _meeting_at_ps(context, plan, wiring) if plan.backend == "allreduce" else None
             except Exception as exc:  # noqa: BLE001 - reported as this rank's failure row
@@ -94,7 +98,7 @@ def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Opt
     # into the deadlines that start there (a peer's PS wait, the connect watchdog).
     from pipeline.worker import loop as _preloaded  # noqa: F401
 
-    host_ps = listener = found = None
+    host_ps = listener = found = shard = None
     try:
         offer_error, device = None, "cpu"
         try:  # before the rendezvous: the group's ranks must agree on cuda vs cpu before joining
@@ -103,9 +107,16 @@ def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Opt
             offer_error = f"rank {plan.rank}: {type(exc).__name__}: {exc}"
         if plan.rank == 0 and wiring.hosted is not None and offer_error is None:
             host_ps, offer_error = _start_hosted_ps(wiring, own_host(context, 0))
+        if wiring.hosts is not None and offer_error is None:  # ps.placement=hosts: the host's first rank
+            from pipeline.launch.task.host_shard import start_host_shard
+
+            shard, offer_error = start_host_shard(context, plan, wiring)
         if plan.stage is not None and plan.stage.stage > 0 and offer_error is None:
             listener, offer_error = stage_listener(context, plan, wiring.secret, tls=wiring.tls)
-        found, error = rendezvous(context, plan, ps=host_ps.server.address if host_ps is not None else None,
+        offered = host_ps.server.address if host_ps is not None else None
+        if shard is not None and plan.rank == 0:  # host 0's shard, the one whose WELCOME names the others
+            offered = shard.address
+        found, error = rendezvous(context, plan, ps=offered,
                                   link=listener.address if listener is not None else None, offer_error=offer_error,
                                   secret=wiring.secret, device=device)
         if error is not None:
@@ -122,8 +133,12 @@ def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Opt
                        device=device)
         if host_ps is not None:
             row = host_ps.finish(row)
+        if shard is not None:  # the other ranks still use this host's shard: hold it until the driver ends it
+            shard.wait_exit()
         return row
     finally:
+        if shard is not None:
+            shard.close()
         if found is not None and found.store is not None:
             found.store.close()
         if listener is not None:

@@ -94,12 +94,17 @@ class HostShardProcess:
     ``wait_ready`` for its address and ``wait_exit`` at the task's end. A context manager that kills the
     process if it is still running when the task leaves."""
 
-    def __init__(self, boot: Bootstrap) -> None:
+    def __init__(self, boot: Bootstrap, *, python_path: Optional[str] = None) -> None:
+        """``python_path``: where the starting process imported ``pipeline`` from, put first on the child's
+        path (an executor's Python has it from a shipped wheel, not from site-packages)."""
         import subprocess
 
         self._boot = boot
+        env = dict(os.environ)
+        if python_path:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path, env.get("PYTHONPATH")) if p)
         self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.ps.processes.host_shard"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
         self.pid = self._proc.pid
         self._proc.stdin.write(boot.to_line())  # the secret goes down stdin, never argv or the environment
         self._proc.stdin.flush()

@@ -1,0 +1,80 @@
+"""In the barrier task (``ps.placement: hosts``): the first task on each host starts that host's
+parameter-server shard process and holds it for the attempt.
+
+Which task is first, which host is which and how many there are come from ``getTaskInfos`` (every task
+sees the same list, in rank order), so no extra rendezvous is needed: host k is the k-th distinct executor
+address in rank order, and its first rank starts shard k. Rank 0 therefore always starts shard 0, whose
+address it offers in the barrier's one allGather; every worker connects there and the WELCOME names the
+other shards. The task waits for ``READY`` (the driver has attached every host's shard and loaded the
+state) before that allGather, so no worker ever reaches a shard that is not set up.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.wire.deadline import Timeout
+
+if TYPE_CHECKING:
+    from pipeline.launch.task.body import TaskWiring
+    from pipeline.worker.plan import WorkerPlan
+
+log = logging.getLogger(__name__)
+
+# Past the connect deadline (every host's process reaching the driver), what the driver may take to set
+# the shards up: start them, announce the layout, send each its slice of the state.
+SETUP_S = 60.0
+
+
+@dataclass(frozen=True)
+class HostShardWiring:
+    """Plain values the tasks need to start their host's shard (shipped in the closure)."""
+
+    registry: tuple[str, int]  # the driver's ShardRegistry of this attempt
+    connect: Timeout  # the shard process's deadline to reach the driver
+    max_bytes: int  # the largest control message (a slice's state)
+
+
+def task_hosts(context) -> list[str]:
+    """Every rank's executor address, in rank order (what ``rendezvous.own_host`` gives each rank)."""
+    return [info.address.rsplit(":", 1)[0] for info in context.getTaskInfos()]
+
+
+def start_host_shard(context, plan: "WorkerPlan", wiring: "TaskWiring"):
+    """(HostShardProcess, None) for the first rank on its host once its shard is READY; (None, None) for
+    every other rank; (None, error text) when it could not be started: every rank must still reach the
+    allGather."""
+    from pipeline.ps.processes.host_shard import Bootstrap, HostShardProcess
+
+    spread = wiring.hosts
+    addresses = task_hosts(context)
+    mine = addresses[plan.rank]
+    if addresses.index(mine) != plan.rank:
+        return None, None
+    order = list(dict.fromkeys(addresses))
+    boot = Bootstrap(registry=spread.registry, secret_hex=wiring.secret.hex(), generation=plan.generation,
+                     index=order.index(mine), hosts=len(order), host=mine, connect_s=spread.connect.seconds,
+                     connect_key=spread.connect.key, max_bytes=spread.max_bytes,
+                     tls_fingerprint=wiring.tls.fingerprint if wiring.tls is not None else None)
+    process = None
+    try:
+        process = HostShardProcess(boot, python_path=_package_root())
+        address = process.wait_ready(Timeout(spread.connect.seconds + SETUP_S, spread.connect.key))
+        log.info("rank %d started the parameter-server shard of host %d of %d (%s:%d, pid %d)", plan.rank,
+                 boot.index, boot.hosts, address[0], address[1], process.pid)
+        return process, None
+    except Exception as exc:  # noqa: BLE001 - reported through the allGather
+        if process is not None:
+            process.close()
+        return None, (f"rank {plan.rank} could not start the parameter-server shard of host {boot.index} "
+                      f"({mine}, ps.placement=hosts): {type(exc).__name__}: {exc}")
+
+
+def _package_root() -> str:
+    """Where this task imported ``pipeline`` from (a shipped wheel or zip on an executor): the shard
+    process must import the same code."""
+    import pipeline
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__)))
