@@ -104,7 +104,14 @@ class TrainingMonitor:
                 self.first_train_loss = loss
             value = self._value(row)
             if value is not None and (self.best_value is None or self._better(value, self.best_value)):
-                self.best, self.best_epoch, self.best_value, self.stale_epochs = self._snapshot(), epoch, value, 0
+                try:
+                    best = self._snapshot()
+                except Exception as exc:  # noqa: BLE001 - the server failed meanwhile: the attempt fails anyway
+                    # The epoch row must still reach the history and the tracking; the best stays the last kept.
+                    log.warning("epoch %d has the best %s so far (%.6g) but its state could not be kept: %s",
+                                epoch + 1, self.metric, value, exc)
+                    return
+                self.best, self.best_epoch, self.best_value, self.stale_epochs = best, epoch, value, 0
                 log.info("epoch %d is the best so far (%s %.6g)", epoch + 1, self.metric, value)
             else:
                 self.stale_epochs += 1

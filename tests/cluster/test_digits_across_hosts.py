@@ -1,6 +1,7 @@
 """The digits pipeline through spark-submit on the multi-host testbed: 2 and 3 hosts, both backends, and
 the PS over TLS. Every rank runs on its own host, imports `pipeline` from the wheel spark-submit shipped
 (not the driver's checkout), and the run reaches the one-host run's test accuracy."""
+import re
 from pathlib import Path
 
 import pytest
@@ -10,12 +11,15 @@ from tests.cluster.testbed import REPO
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("hosts, backend, tls", [(2, "ps", False), (2, "allreduce", False), (2, "ps", True),
-                                                 (3, "ps", False), (3, "allreduce", False)],
-                         ids=["2-ps", "2-allreduce", "2-ps-tls", "3-ps", "3-allreduce"])
-def test_digits_trains_across_hosts_as_on_one(testbed, cluster_run, one_host_accuracy, hosts, backend, tls):
-    run = cluster_run([f"parallelism.data={hosts}", f"train.backend={backend}", f"ps.tls={str(tls).lower()}"],
-                      executors=hosts)
+@pytest.mark.parametrize("hosts, backend, tls, placement",
+                         [(2, "ps", False, "driver"), (2, "allreduce", False, "driver"), (2, "ps", True, "driver"),
+                          (3, "ps", False, "driver"), (3, "allreduce", False, "driver"), (2, "ps", True, "hosts"),
+                          (3, "ps", False, "hosts")],
+                         ids=["2-ps", "2-allreduce", "2-ps-tls", "3-ps", "3-allreduce", "2-ps-hosts-tls", "3-ps-hosts"])
+def test_digits_trains_across_hosts_as_on_one(testbed, cluster_run, one_host_accuracy, hosts, backend, tls,
+                                              placement):
+    run = cluster_run([f"parallelism.data={hosts}", f"train.backend={backend}", f"ps.tls={str(tls).lower()}",
+                       f"ps.placement={placement}"], executors=hosts)
     assert run.finish() == 0, run.output[-6000:]
     output = run.output
     accuracy = run.test_metrics()["accuracy"]
@@ -33,6 +37,10 @@ def test_digits_trains_across_hosts_as_on_one(testbed, cluster_run, one_host_acc
         assert package.parts[-3:] == ("shardline.zip", "pipeline", "__init__.py"), info
         assert str(package).startswith(worker_dirs[info["address"]] + "/"), info
         assert not str(package).startswith(str(REPO) + "/"), info
+    if placement == "hosts":  # one shard per host, started there (their connect lines are in the executors' logs)
+        spread = re.search(r"parameter-server shards were on (.+)", output)
+        assert spread and set(spread.group(1).strip().split(", ")) == addresses, output[-4000:]
+        return
     wire = "TLS" if tls else "plain TCP"
     connected = [line for line in output.splitlines() if "connected from" in line]
     assert connected and all(wire in line for line in connected), connected

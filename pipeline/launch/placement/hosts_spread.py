@@ -119,7 +119,11 @@ class HostsPS(DriverPS):
                                 hosts=HostShardWiring(registry.address, connect, max_bytes))
             adopter = ShardAdopter(server, registry, cfg.parallelism.tasks, generation, connect)
             try:
-                return self._run_job(attempt, plans, wiring, guards=(adopter,))
+                rows = self._run_job(attempt, plans, wiring, guards=(adopter,))
+                if rows and server.lost:  # every rank finished, but a shard died before its state came back
+                    cause = server.failure_cause or "a parameter-server shard was lost before the driver took the state"
+                    raise WorkerTrainingFailedError({}, attempt, cause=cause, server_error=cause)
+                return rows
             except WorkerTrainingFailedError as failure:
                 if adopter.error and not failure.server_error:
                     raise WorkerTrainingFailedError(failure.failures, attempt, failure.cause, failure.stopped,

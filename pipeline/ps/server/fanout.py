@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
 
 from pipeline.errors import PSError, WorkerFailure
@@ -167,12 +168,15 @@ class ServerGroup(Generic[M]):
         """Every member's state, retaken until all are at one version (when ``must_agree``): members
         apply a step at different moments, and a step half-applied across them is no state any run had."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            states = [take(m) for m in self.members]
-            versions = sorted({st["version"] for st in states})
-            if len(versions) == 1 or not must_agree:
-                return states
-            if time.monotonic() > deadline:
-                raise PSError(f"could not take a consistent snapshot: {self._name} stayed at versions "
-                              f"{versions} for {timeout_s:g}s")
-            time.sleep(_SNAPSHOT_POLL_S)
+        # All members at once: taken one after another, shards in other processes or on other hosts (a
+        # round trip each) would straddle a step far more often than they land between two.
+        with ThreadPoolExecutor(max_workers=len(self.members), thread_name_prefix="ps-snapshot") as pool:
+            while True:
+                states = list(pool.map(take, self.members))
+                versions = sorted({st["version"] for st in states})
+                if len(versions) == 1 or not must_agree:
+                    return states
+                if time.monotonic() > deadline:
+                    raise PSError(f"could not take a consistent snapshot: {self._name} stayed at versions "
+                                  f"{versions} for {timeout_s:g}s")
+                time.sleep(_SNAPSHOT_POLL_S)

@@ -54,6 +54,7 @@ class SpreadServer:
         self._buffer_store = buffers
         self._tls = tls
         self._lock = threading.RLock()
+        self._detaching = threading.Lock()
         self._inner: Optional["ParameterServer"] = None
         self._state: Optional[dict] = None  # the kept state; None: the initial parameters, no optimizer state
         self._lost = False  # the last attempt left no consistent state: load a checkpoint before the next
@@ -73,27 +74,28 @@ class SpreadServer:
                 raise PSError("the parameter server's shards are attached already")
             if self._lost:
                 raise PSError("the last attempt's shards left no consistent state; load a checkpoint first")
-            by_index = {c.index: c for c in children}
+            state = self._state
+        by_index = {c.index: c for c in children}
 
-            def spawn(init, **callbacks):
-                child = by_index[init.shard_index]
-                return RemoteShard(dataclasses.replace(init, host=child.host), child, **callbacks)
+        def spawn(init, **callbacks):
+            child = by_index[init.shard_index]
+            return RemoteShard(dataclasses.replace(init, host=child.host), child, **callbacks)
 
-            settings = dataclasses.replace(self._settings, shards=len(children), bucket_bytes=0,
-                                           server_processes=False)
-            initial = self._state["params"] if self._state is not None else self._initial
-            server = ParameterServer(initial, settings, world_size=self._world_size, secret=self._secret,
-                                     host=children[0].host, generation=generation, on_metrics=self._on_metrics,
-                                     buffers=self._buffer_store, tls=self._tls, spawn=spawn)
-            try:
-                server.start()
-                if self._state is not None:
-                    server.load_state_dict(self._state)
-                for shard in server.members:
-                    shard.ready()
-            except BaseException:
-                server.close()
-                raise
+        settings = dataclasses.replace(self._settings, shards=len(children), bucket_bytes=0, server_processes=False)
+        server = ParameterServer(state["params"] if state is not None else self._initial, settings,
+                                 world_size=self._world_size, secret=self._secret, host=children[0].host,
+                                 generation=generation, on_metrics=self._on_metrics, buffers=self._buffer_store,
+                                 tls=self._tls, spawn=spawn)
+        try:
+            server.start()
+            if state is not None:
+                server.load_state_dict(state)
+            for shard in server.members:
+                shard.ready()
+        except BaseException:
+            server.close()
+            raise
+        with self._lock:
             self._inner, self._generation = server, generation
             self.hosts = [c.host for c in children]
             logger.info("parameter server spread over %d host(s): %s", len(children),
@@ -101,31 +103,40 @@ class SpreadServer:
 
     def detach(self) -> bool:
         """Take the state back from the attempt's shards and close them; True when it was consistent."""
-        with self._lock:
-            inner, self._inner = self._inner, None
-        if inner is None:
-            return not self._lost
-        kept = False
-        try:
+        with self._detaching:  # one detach at a time; the views keep answering from the shards meanwhile
+            inner = self._inner
+            if inner is None:
+                return not self._lost
+            state, why = None, ""
             try:
                 state = inner.state_dict(timeout_s=DETACH_STATE_S)
                 if state.get("buffers") is None and self._buffer_store is not None:
                     state["buffers"] = inner.buffers()
-                self._state, self._lost, kept = state, False, True
             except PSError as exc:
-                self._lost = True
-                logger.warning("the parameter server's shards left no consistent state (%s); the retry starts "
-                               "them from the newest checkpoint", exc)
-            self._last = {"stats": _plain_stats(inner), "failures": dict(inner.failures),
-                          "root_failures": dict(inner.root_failures), "finished_ranks": set(inner.finished_ranks),
-                          "failure_cause": inner.failure_cause}
-        finally:
+                why = str(exc)
+            last = {"stats": _plain_stats(inner), "failures": dict(inner.failures),
+                    "root_failures": dict(inner.root_failures), "finished_ranks": set(inner.finished_ranks),
+                    "failure_cause": inner.failure_cause}
+            with self._lock:  # the state and the views switch over together
+                self._inner, self._last = None, last
+                if state is not None:
+                    self._state, self._lost = state, False
+                else:
+                    self._lost = True
             inner.close()
-        return kept
+        if state is None:
+            logger.warning("the parameter server's shards left no consistent state (%s); the retry starts them "
+                           "from the newest checkpoint", why)
+        return state is not None
 
     @property
     def attached(self) -> bool:
         return self._inner is not None
+
+    @property
+    def lost(self) -> bool:
+        """The last attempt's shards left no consistent state (a shard or its host was lost)."""
+        return self._lost
 
     def __enter__(self) -> "SpreadServer":
         return self
@@ -155,14 +166,15 @@ class SpreadServer:
         return self._generation
 
     def state_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        inner = self._attached()
+        with self._lock:  # attached or not, as one moment (detach switches both under it)
+            inner, lost, state = self._inner, self._lost, self._state
         if inner is not None:
             return inner.state_dict(timeout_s)
-        if self._lost:
+        if lost:
             raise PSError("the last attempt's shards left no consistent state (a host or a shard was lost)")
-        if self._state is None:
+        if state is None:
             return {"version": 0, "params": self._initial.clone(), **self._initial_buffers()}
-        return self._state
+        return state
 
     def _initial_buffers(self) -> dict:
         return {} if self._buffer_store is None else {"buffers": self._buffer_store.merged()}
@@ -191,10 +203,11 @@ class SpreadServer:
 
     @property
     def version(self) -> int:
-        inner = self._attached()
+        with self._lock:
+            inner, state = self._inner, self._state
         if inner is not None:
             return inner.version
-        return int(self._state["version"]) if self._state is not None else 0
+        return int(state["version"]) if state is not None else 0
 
     @property
     def generation(self) -> int:

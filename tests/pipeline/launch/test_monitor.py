@@ -132,3 +132,20 @@ def test_on_divergence_fail_tags_the_run_then_raises():
     run = FakeRun()
     report_stop(run, build({"train": {"divergence": {"enabled": True}}}), info)  # warn: no raise
     assert run.tags["shardline.diverged"] == "true"
+
+
+def test_a_best_epoch_whose_state_cannot_be_taken_keeps_the_last_best_and_does_not_raise(caplog):
+    """ps.placement=hosts: a shard dies as an epoch completes; the epoch row must still reach the history."""
+    from pipeline.errors import PSError
+
+    monitor, rec = _monitor(EarlyStoppingConfig(enabled=True, metric="val_loss", patience=5))
+    _feed(monitor, rec, [{"train_loss": 1.0, "val_loss": 0.9}])
+
+    def dead() -> dict:
+        raise PSError("parameter server shard 1 (host 1 10.0.0.2, pid 7) died")
+
+    monitor._snapshot = dead
+    monitor.on_epoch({"epoch": 1, "step": 20, "train_loss": 0.5, "val_loss": 0.4})
+    assert monitor.best == {"step": 10, "ps": {"params": [10]}} and monitor.best_epoch == 0
+    assert "epoch 2 has the best val_loss so far (0.4) but its state could not be kept" in caplog.text
+    assert "shard 1 (host 1 10.0.0.2, pid 7) died" in caplog.text
