@@ -180,13 +180,17 @@ def main() -> None:
 
     calls, events = _open_links(boot)
     threading.Thread(target=_exit_when_stdin_closes, daemon=True, name="ps-host-shard-stdin").start()
+    code = 0
     try:
         serve(calls, calls, events, on_ready=ready)
+    except BaseException:  # noqa: BLE001 - e.g. the driver's end broke mid-reply; the driver names the loss
+        logger.warning("shard of host %d stopped serving the driver", boot.index, exc_info=True)
+        code = 1
     finally:
         for link in (calls, events):
             link.close()
     logging.shutdown()
-    os._exit(0)  # as shard_process: skip the interpreter's slow teardown of torch and the connection threads
+    os._exit(code)  # as shard_process: skip the interpreter's slow teardown of torch and the connection threads
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pipeline.errors import PSError
+
 from pipeline.ps.processes.registry import HostChild
 from pipeline.ps.processes.shard_init import ShardInit
 from pipeline.ps.processes.shard_proxy import ShardProxy
@@ -24,6 +26,10 @@ class RemoteShard(ShardProxy):
     def __init__(self, init: ShardInit, child: HostChild, **callbacks: Any) -> None:
         self._child = child
         super().__init__(init, (child.calls, child.calls, child.events), pid=child.pid, **callbacks)
+        # A host cut off sends no FIN: a call it does not answer within the step deadline is its loss, the
+        # same deadline a rank's silence gets (and a shorter cut is ridden out).
+        self._step = init.settings.step_timeout
+        self._call_timeout_s = self._step.seconds
 
     @property
     def host_index(self) -> int:
@@ -35,6 +41,17 @@ class RemoteShard(ShardProxy):
 
     def _where(self) -> str:
         return f"host {self._child.index} {self._child.host}, pid {self.pid}"
+
+    def _unanswered(self, what: str, timeout: float) -> PSError:
+        """The link may now carry a late reply out of order: the shard is lost, named once, and its links
+        closed (which ends the process if it still runs)."""
+        if self._death is None:
+            self._death = (f"{self.describe()} did not answer the driver's {what} within {timeout:g}s "
+                           f"({self._step.key}): its host is cut off, or the process hangs")
+            logger.error("%s", self._death)
+            self._child.close()
+            self._on_death(self._death)
+        return PSError(self._death)
 
     def _exit_text(self) -> str:
         return ("its control link to the driver broke: the host is down or cut off, or the process (or the "

@@ -73,6 +73,7 @@ class ShardProxy:
         self.address_or_none: tuple[str, int] | None = None
         self._requests, self._replies, self._events = channels
         self.pid = pid
+        self._call_timeout_s = CALL_TIMEOUT_S
         self._reader = threading.Thread(target=self._read_events, daemon=True, name=f"ps-shard-{self._index}-events")
         self._reader.start()
         try:
@@ -94,15 +95,20 @@ class ShardProxy:
     def _where(self) -> str:
         return f"pid {self.pid}"
 
+    def _unanswered(self, what: str, timeout: float) -> PSError:
+        """The error of a call the process did not answer in time (called holding the call lock)."""
+        return PSError(f"{self.describe()} did not answer {what} within {timeout:g}s")
+
     # -- the pipes -----------------------------------------------------------------------------------
-    def _call(self, op: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+    def _call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
+        timeout = self._call_timeout_s if timeout is None else timeout
         with self._lock:
             if self._death is not None:
                 raise PSError(self._death)
             try:
                 self._requests.send((op, args))
                 if not self._replies.poll(timeout):
-                    raise PSError(f"{self.describe()} did not answer {args[0] if args else op} within {timeout:g}s")
+                    raise self._unanswered(str(args[0]) if args else op, timeout)
                 status, value = self._replies.recv()
             except (EOFError, OSError):
                 raise PSError(self._died()) from None

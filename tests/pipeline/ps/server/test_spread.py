@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 
 import pytest
@@ -26,8 +27,8 @@ SGD = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9)
 CONNECT = Timeout(20.0, CONNECT_KEY)  # a fresh Python importing torch per host process
 
 
-def _settings(mode: str = "sync") -> PSSettings:
-    return PSSettings(optimizer=SGD, consistency=Consistency(mode=mode), step_timeout=Timeout(10.0, STEP_KEY),
+def _settings(mode: str = "sync", step_s: float = 10.0) -> PSSettings:
+    return PSSettings(optimizer=SGD, consistency=Consistency(mode=mode), step_timeout=Timeout(step_s, STEP_KEY),
                       server_threads=1)
 
 
@@ -154,6 +155,23 @@ def test_a_killed_host_shard_fails_the_attempt_naming_it_and_leaves_no_state(hos
     assert not spread.detach()
     with pytest.raises(PSError, match="no consistent state"):
         spread.state_dict()
+
+
+def test_a_host_shard_that_stops_answering_is_lost_after_the_step_deadline(hosts, secret):
+    """A cut-off host sends no FIN: the driver's call it does not answer within timeouts.step_s is its loss."""
+    spread = SpreadServer(torch.zeros(N), _settings(step_s=1.5), world_size=2, secret=secret)
+    bed = hosts(2)
+    bed.attach(spread)
+    frozen = bed.processes[1].pid
+    os.kill(frozen, signal.SIGSTOP)  # as a cut link looks to the driver: nothing comes back, nothing closes
+    try:
+        assert spread.aborted  # asking shard 1 ran into the deadline: its loss, named once, failing every waiter
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    assert re.search(rf"shard 1 \(host 1 {HOST}, pid {frozen}, .*\) did not answer the driver's \w+ within 1.5s "
+                     r"\(timeouts.step_s\): its host is cut off, or the process hangs", spread.failure_cause)
+    assert not spread.detach()
+    assert bed.processes[1].wait_exit() is not None  # its links closed: the process ended
 
 
 def test_hosts_that_disagree_or_never_come_are_named(secret):
