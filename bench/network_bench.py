@@ -46,17 +46,31 @@ BACKENDS = {"ps sync": ["train.backend=ps", "ps.mode=sync"],
             "ps tls": ["train.backend=ps", "ps.mode=sync", "ps.tls=true"],
             "ps top-k 1%": ["train.backend=ps", "ps.mode=sync", "ps.compression=topk", "ps.topk_ratio=0.01"],
             # pushes bucket by bucket during backward, each bucket's pull right behind it (issue 17's overlap)
-            "ps overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true", "ps.bucket_mb=1"]}
-DEFAULT_BACKENDS = ["ps sync", "ps async", "allreduce", "ps tls", "ps top-k 1%"]
+            "ps overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true", "ps.bucket_mb=1"],
+            # issue 43: one server shard per worker host (ps.placement=hosts), the driver coordinating
+            "ps hosts": ["train.backend=ps", "ps.mode=sync", "ps.placement=hosts"],
+            "ps hosts async": ["train.backend=ps", "ps.mode=async", "ps.placement=hosts"]}
+DEFAULT_BACKENDS = ["ps sync", "ps async", "allreduce", "ps tls", "ps top-k 1%", "ps hosts", "ps hosts async"]
 TOPK = 0.01
 UNSHAPED = "none"  # --rates none: the veth links as they are (no tbf), for the TLS cost without a rate limit
+
+
+def predicted_driver_bytes(backend: str, model_bytes: int, n: int) -> float:
+    """Bytes a step on the driver's link (both ways): the driver-hosted PS takes N pushes and sends N pulls;
+    allreduce and shards on the hosts move no parameter bytes through it (roster, METRICS, checkpoints only)."""
+    if backend == "allreduce" or backend.startswith("ps hosts"):
+        return 0.0
+    up, down = predicted_link_bytes(backend, model_bytes, n)
+    return n * (up + down)
 
 
 def predicted_link_bytes(backend: str, model_bytes: int, n: int) -> tuple[float, float]:
     """(bytes up, bytes down) per step on one worker link, from docs/training.md's table: the PS takes a
     push up and sends a pull down (top-k: ratio x M entries of an int32 index + fp32 value up); a ring
     allreduce sends and receives 2M(N-1)/N each way (reduce-scatter, then all-gather)."""
-    if backend == "allreduce":
+    if backend == "allreduce" or backend.startswith("ps hosts"):
+        # ring: reduce-scatter then all-gather. Shards on the hosts: a rank pushes the N-1 slices that are
+        # not its host's and pulls them back, while its host's shard takes N-1 slices in and sends N-1 out.
         each = 2 * model_bytes * (n - 1) / n
         return each, each
     if backend.startswith("ps top-k"):
@@ -92,9 +106,9 @@ def inside(args) -> None:
                 overrides = BACKENDS[backend]
                 cfg = load(str(REPO / "conf" / "synthetic.yaml"), [*base, f"model.hidden={hidden}", *overrides])
                 marks: list[tuple[float, dict]] = []
-                result = train(spark, cfg, manifest, on_epoch=lambda row: marks.append((time.perf_counter(),
-                                                                                         bed.counters())))
-                (t1, c1), (t2, c2) = marks[-2], marks[-1]
+                result = train(spark, cfg, manifest, on_epoch=lambda row: marks.append(
+                    (time.perf_counter(), bed.counters(), bed.driver_counters())))
+                (t1, c1, d1), (t2, c2, d2) = marks[-2], marks[-1]
                 steps = steps_per_epoch(manifest, args.n, cfg.train.batch_size)
                 # rx at the root end of a veth = bytes up from the host; tx = bytes down to it
                 per_link = {host: ((c2[host]["rx_bytes"] - c1[host]["rx_bytes"]) / steps,
@@ -105,9 +119,12 @@ def inside(args) -> None:
                 both = max((up + down for up, down in used.values()), default=0.0)
                 one_way = max((max(up, down) for up, down in used.values()), default=0.0)
                 rate_bytes_s = _bits(rate) / 8 if rate != UNSHAPED else float("nan")
+                driver = sum(d2[k] - d1[k] for k in ("rx_bytes", "tx_bytes")) / steps
                 results.append({"n": args.n, "rate": rate, "model": model, "backend": backend, "steps": steps,
                                 "step_ms": step_s * 1e3, "model_bytes": model_bytes, "link_bytes": used,
                                 "predicted": predicted_link_bytes(backend, model_bytes, args.n),
+                                "driver_bytes": driver,
+                                "predicted_driver": predicted_driver_bytes(backend, model_bytes, args.n),
                                 "efficiency": both / rate_bytes_s / step_s,
                                 "duplex_efficiency": one_way / rate_bytes_s / step_s})
                 print(f"NETBENCH {json.dumps(results[-1])}", flush=True)
@@ -180,19 +197,45 @@ def _mb(pair) -> str:
 def _line(row: dict) -> str:
     links = ", ".join(_mb(b) for b in row["link_bytes"].values())
     return (f"N={row['n']} {row['rate']:>7} {row['model']:>5} {row['backend']:<12} step {row['step_ms']:7.1f} ms | "
-            f"link MB up/down a step {links} (predicted {_mb(row['predicted'])}) | efficiency "
+            f"link MB up/down a step {links} (predicted {_mb(row['predicted'])}) | driver link MB a step "
+            f"{row['driver_bytes'] / 1e6:.3f} (predicted {row['predicted_driver'] / 1e6:.2f}) | efficiency "
             f"{row['efficiency']:.2f} (busiest direction {row['duplex_efficiency']:.2f})")
 
 
 def markdown(rows: list[dict]) -> str:
     head = ("| N | rate | model | backend | step ms | MB a step up/down, each worker link (measured) | predicted "
-            "| link-bound efficiency (up+down) | busiest direction |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| driver link MB a step (measured / predicted) | link-bound efficiency (up+down) | busiest direction |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['n']} | {r['rate']} | {r['model']} | {r['backend']} | {r['step_ms']:.1f} | "
         f"{' '.join(_mb(b) for b in r['link_bytes'].values())} | {_mb(r['predicted'])} | "
+        f"{r['driver_bytes'] / 1e6:.3f} / {r['predicted_driver'] / 1e6:.2f} | "
         f"{r['efficiency']:.2f} | {r['duplex_efficiency']:.2f} |\n" for r in rows)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    return head + body + f"\n(one run of `bench/network_bench.py`, {time.strftime('%Y-%m-%d')}, {machine})\n"
+    return (head + body + ratios(rows) +
+            f"\n(one run of `bench/network_bench.py`, {time.strftime('%Y-%m-%d')}, {machine})\n")
+
+
+def ratios(rows: list[dict]) -> str:
+    """Issue 43's figures, each a ratio of two trainings of this run (same N, rate and model)."""
+    by = {(r["n"], r["rate"], r["model"], r["backend"]): r for r in rows}
+    lines = []
+    for (n, rate, model, backend), r in sorted(by.items()):
+        if backend == "ps hosts":
+            ring, driver = by.get((n, rate, model, "allreduce")), by.get((n, rate, model, "ps sync"))
+            if ring:
+                lines.append(f"- N={n} {rate} {model}: sync PS, shards on the hosts / allreduce, time a step: "
+                             f"{r['step_ms'] / ring['step_ms']:.2f}")
+            if driver:
+                lines.append(f"- N={n} {rate} {model}: sync PS, shards on the hosts / on the driver, time a step: "
+                             f"{r['step_ms'] / driver['step_ms']:.2f}")
+            lines.append(f"- N={n} {rate} {model}: driver link bytes a step / (M x N), shards on the hosts: "
+                         f"{r['driver_bytes'] / (r['model_bytes'] * n):.4f}")
+        if backend == "ps hosts async" and (n, rate, model, "ps async") in by:
+            driver = by[(n, rate, model, "ps async")]
+            lines.append(f"- N={n} {rate} {model}: async updates/s, shards on the hosts / on the driver: "
+                         f"{driver['step_ms'] / r['step_ms']:.2f}")
+    return ("\n" + "\n".join(lines) + "\n") if lines else ""
 
 
 if __name__ == "__main__":

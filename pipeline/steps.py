@@ -158,11 +158,13 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),
                     manifest.num_features, "int64" if manifest.task == "classification" else "float32")
 
-    # --resume: epochs the killed driver logged after its last checkpoint are trained again; logged once.
+    # --resume: epochs the killed driver logged after its last checkpoint are trained again; logged once. So
+    # are epochs a retry replays from a checkpoint taken before their end (a lost shard, an elastic resume).
     logged = run.logged_epochs() if resume else set()
 
     def log_epoch(row: dict) -> Optional[str]:  # called live from the PS thread as each epoch completes
         if int(row["epoch"]) not in logged:
+            logged.add(int(row["epoch"]))
             run.log_epoch(row["epoch"], {k: v for k, v in row.items() if k not in ("epoch", "step")})
         return on_epoch(row) if on_epoch is not None else None  # a reason to stop (launch.train stoppable)
 

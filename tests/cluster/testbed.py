@@ -340,6 +340,12 @@ class Testbed:
         self._start_worker(self.host(index), cores, memory)
         self.wait_workers(registered + 1)
 
+    def driver_counters(self) -> dict[str, int]:
+        """The bridge's own counters: traffic to and from the root namespace (the driver, the master, the
+        S3 server), not what the bridge forwards between hosts. tx = towards the hosts."""
+        stats = Path("/sys/class/net", self.bridge, "statistics")
+        return {"tx_bytes": int((stats / "tx_bytes").read_text()), "rx_bytes": int((stats / "rx_bytes").read_text())}
+
     def counters(self) -> dict[str, dict[str, int]]:
         """Each worker link's byte counters, as the root-namespace end sees them: tx = towards the host."""
         out = {}

@@ -60,7 +60,7 @@ class SpreadServer:
         self._lost = False  # the last attempt left no consistent state: load a checkpoint before the next
         self._generation = 1
         self._last: dict[str, Any] = {"stats": {}, "failures": {}, "root_failures": {}, "finished_ranks": set(),
-                                      "failure_cause": None}
+                                      "failure_cause": None, "aborted": False}
         self.hosts: list[str] = []  # the last attempt's shard hosts, in shard order
 
     # -- attempts ------------------------------------------------------------------------------------
@@ -114,7 +114,9 @@ class SpreadServer:
                     state["buffers"] = inner.buffers()
             except PSError as exc:
                 why = str(exc)
-            last = {"stats": _plain_stats(inner), "failures": dict(inner.failures),
+            # A failed attempt stays aborted until the next attaches: the stage watchdog's grace then ends a
+            # barrier job whose cut-off tasks never return.
+            last = {"stats": _plain_stats(inner), "failures": dict(inner.failures), "aborted": inner.aborted,
                     "root_failures": dict(inner.root_failures), "finished_ranks": set(inner.finished_ranks),
                     "failure_cause": inner.failure_cause}
             with self._lock:  # the state and the views switch over together
@@ -163,6 +165,7 @@ class SpreadServer:
         if self._attached() is not None:
             raise PSError("a new generation starts with the next attempt's shards (detach first)")
         self._generation = generation if generation is not None else self._generation + 1
+        self._last["aborted"] = False  # the next attempt starts clean
         return self._generation
 
     def state_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -243,7 +246,7 @@ class SpreadServer:
 
     @property
     def aborted(self) -> bool:
-        return self._view("aborted", False)
+        return self._view("aborted", self._last["aborted"])
 
     @property
     def registered_ranks(self) -> set[int]:

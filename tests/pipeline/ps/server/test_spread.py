@@ -153,6 +153,9 @@ def test_a_killed_host_shard_fails_the_attempt_naming_it_and_leaves_no_state(hos
         client.close()
     assert spread.aborted and f"pid {victim}" in spread.failure_cause
     assert not spread.detach()
+    assert spread.aborted  # still, detached: the stage watchdog's grace must end the failed attempt's job
+    spread.new_generation()
+    assert not spread.aborted  # the next attempt starts clean
     with pytest.raises(PSError, match="no consistent state"):
         spread.state_dict()
 
