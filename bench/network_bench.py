@@ -90,7 +90,10 @@ def inside(args) -> None:
     results = []
     base = [f"workdir={args.workdir}", "workdir_on_every_host=true", "name=netbench", f"parallelism.data={args.n}",
             "data.synthetic.rows=20000", "data.synthetic.features=64", "train.batch_size=256", "train.epochs=2",
-            "tracking.log_model=false", "timeouts.step_s=120", "train.checkpoint_every=100000"]
+            "tracking.log_model=false", "timeouts.step_s=120", "train.checkpoint_every=100000",
+            # the epoch marks must be taken as the rows arrive: the guard's best-epoch snapshot (O(M) from
+            # each shard with ps.placement=hosts) would run before them and shift the window into the epoch
+            "train.divergence.enabled=false"]
     from pipeline.etl import run_etl
     from pipeline.etl.synthetic import generate
 
@@ -106,8 +109,10 @@ def inside(args) -> None:
                 overrides = BACKENDS[backend]
                 cfg = load(str(REPO / "conf" / "synthetic.yaml"), [*base, f"model.hidden={hidden}", *overrides])
                 marks: list[tuple[float, dict]] = []
+                before = bed.counters()
                 result = train(spark, cfg, manifest, on_epoch=lambda row: marks.append(
                     (time.perf_counter(), bed.counters(), bed.driver_counters())))
+                after = bed.counters()
                 (t1, c1, d1), (t2, c2, d2) = marks[-2], marks[-1]
                 steps = steps_per_epoch(manifest, args.n, cfg.train.batch_size)
                 # rx at the root end of a veth = bytes up from the host; tx = bytes down to it
@@ -120,10 +125,15 @@ def inside(args) -> None:
                 one_way = max((max(up, down) for up, down in used.values()), default=0.0)
                 rate_bytes_s = _bits(rate) / 8 if rate != UNSHAPED else float("nan")
                 driver = sum(d2[k] - d1[k] for k in ("rx_bytes", "tx_bytes")) / steps
+                # The whole training (setup, both epochs, teardown) over all its steps: a check on the window,
+                # which starts when the epoch row reaches the driver (a few steps late if that row is slow)
+                total = steps * cfg.train.epochs
+                whole = {host: ((after[host]["rx_bytes"] - before[host]["rx_bytes"]) / total,
+                                (after[host]["tx_bytes"] - before[host]["tx_bytes"]) / total) for host in used}
                 results.append({"n": args.n, "rate": rate, "model": model, "backend": backend, "steps": steps,
                                 "step_ms": step_s * 1e3, "model_bytes": model_bytes, "link_bytes": used,
                                 "predicted": predicted_link_bytes(backend, model_bytes, args.n),
-                                "driver_bytes": driver,
+                                "driver_bytes": driver, "whole_run_link_bytes": whole,
                                 "predicted_driver": predicted_driver_bytes(backend, model_bytes, args.n),
                                 "efficiency": both / rate_bytes_s / step_s,
                                 "duplex_efficiency": one_way / rate_bytes_s / step_s})
@@ -197,7 +207,8 @@ def _mb(pair) -> str:
 def _line(row: dict) -> str:
     links = ", ".join(_mb(b) for b in row["link_bytes"].values())
     return (f"N={row['n']} {row['rate']:>7} {row['model']:>5} {row['backend']:<12} step {row['step_ms']:7.1f} ms | "
-            f"link MB up/down a step {links} (predicted {_mb(row['predicted'])}) | driver link MB a step "
+            f"link MB up/down a step {links} (predicted {_mb(row['predicted'])}; whole run "
+            f"{', '.join(_mb(b) for b in row.get('whole_run_link_bytes', {}).values())}) | driver link MB a step "
             f"{row['driver_bytes'] / 1e6:.3f} (predicted {row['predicted_driver'] / 1e6:.2f}) | efficiency "
             f"{row['efficiency']:.2f} (busiest direction {row['duplex_efficiency']:.2f})")
 

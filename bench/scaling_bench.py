@@ -19,7 +19,7 @@ count N (always 1, plus --workers; `--workers 4 8` where there are the cores):
                    slowest rank on this box's step-time jitter (``Limit.lockstep``; an estimate).
   shardline <b>    `pipeline.launch.train` with N barrier tasks (N=1: a one-task barrier run),
                    train.backend ps (ps.mode=sync) and allreduce (optional: ps-overlap, ps.overlap=true;
-                   ps-processes, ps.shards=--ps-shards (2) in shard processes).
+                   ps-processes, ps.shards=--ps-shards (2) in shard processes; ps-hosts, ps.placement=hosts).
 
 Each worker count is measured in --repeats rounds (default 3), each round the limit and then every backend
 back to back; the table shows medians over the rounds. Columns: train() samples/s = train rows x epochs /
@@ -60,7 +60,9 @@ MODELS = {"small": [128], "comm": [1024, 1024]}
 BACKENDS = {"ps": ["train.backend=ps", "ps.mode=sync"], "allreduce": ["train.backend=allreduce"],
             "ps-overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true"],
             # the server's reduce and optimizer split over --ps-shards shard processes (a core each)
-            "ps-processes": ["train.backend=ps", "ps.mode=sync", "ps.server_processes=true"]}
+            "ps-processes": ["train.backend=ps", "ps.mode=sync", "ps.server_processes=true"],
+            # issue 43: ps.placement=hosts on one host (one shard process, started by rank 0's task)
+            "ps-hosts": ["train.backend=ps", "ps.mode=sync", "ps.placement=hosts"]}
 DEFAULT_BACKENDS = ["ps", "allreduce"]
 
 

@@ -78,8 +78,9 @@ class PSConfig(_Section):
     server_processes: bool = False
     # OpenMP threads each server thread (or shard process) uses for its sums and optimizer step, set in
     # those threads only (pipeline/ps/server/tensor_threads.py); 0: torch's default (OMP_NUM_THREADS, else the
-    # cores). Null: 1 where the workers run on the driver's own cores (a local[...] or local-cluster[...]
-    # master), whose memory-bound passes a second thread would only take from a worker; else 0.
+    # cores). Null: 1 where the workers run on the server's own cores (a local[...] or local-cluster[...]
+    # master; ps.placement=hosts, each shard beside its host's ranks), whose memory-bound passes a second
+    # thread would only take from a worker; else 0.
     server_threads: Optional[int] = Field(None, ge=0, le=1024)
     # Workers on the PS's own host move payloads through shared-memory rings (/dev/shm, pipeline/wire/shm.py),
     # headers still on the authenticated socket: two per connection, each its slice's fp32 bytes + 256 KB;

@@ -69,8 +69,10 @@ def ps_settings(cfg: PipelineConfig, steps_per_epoch: int = 1, offset: int = 0, 
                       topk_ratio=cfg.ps.topk_ratio, shards=cfg.ps.shards, step_timeout=deadlines(cfg).step,
                       bucket_bytes=bucket_bytes(cfg), server_processes=cfg.ps.server_processes,
                       shared_memory_bytes=int(cfg.ps.shared_memory_mb * (1 << 20)),
-                      server_threads=(1 if local_workers else 0) if cfg.ps.server_threads is None
-                      else cfg.ps.server_threads)
+                      # ps.placement=hosts: each shard shares its host with that host's ranks, as a local
+                      # master's PS shares the driver's cores with its workers
+                      server_threads=(1 if local_workers or cfg.ps.placement == "hosts" else 0)
+                      if cfg.ps.server_threads is None else cfg.ps.server_threads)
 
 
 def bucket_bytes(cfg: PipelineConfig) -> int:

@@ -40,3 +40,65 @@ def test_hosts_placement_trains_exactly_like_the_driver_placement(spark, digits)
     # The shard ran in a process of its own (started by rank 0's task), not in this driver.
     assert spread.ps_stats["pid"] != os.getpid()
     assert "pid" not in driver.ps_stats
+
+
+@pytest.mark.parametrize("first, then", [("hosts", "driver"), ("driver", "hosts")])
+def test_a_checkpoint_resumes_across_placements_both_ways(spark, digits, first, then):
+    from pipeline.errors import WorkerTrainingFailedError
+
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 2, cfg.train.batch_size) * cfg.train.epochs
+    failing = with_changes(cfg, name=f"hosts-resume-{first}-{then}", ps={"placement": first},
+                           train={"checkpoint_every": 10, "max_attempts": 1},
+                           faults={"fail_rank": 1, "fail_step": steps // 2})
+    with pytest.raises(WorkerTrainingFailedError, match="injected failure on rank 1"):
+        train(spark, failing, manifest)
+    resumed = train(spark, with_changes(failing, ps={"placement": then}, faults={"fail_rank": None}), manifest,
+                    resume=True)
+    assert 0 < resumed.resumed_from_step <= steps // 2
+    assert resumed.steps == steps
+    assert [r["epoch"] for r in resumed.history] == list(range(cfg.train.epochs))
+
+
+def _host_shard_pids() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"pipeline.ps.processes.host_shard" in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def test_a_killed_shard_process_fails_the_attempt_naming_it_and_the_retry_finishes(spark, digits):
+    cfg, manifest = digits
+    steps = steps_per_epoch(manifest, 2, cfg.train.batch_size) * cfg.train.epochs
+    slow = with_changes(cfg, name="hosts-kill", train={"checkpoint_every": 10},
+                        faults={"delay_rank": 0, "delay_ms": 20})
+    killed: list[int] = []
+    from pipeline.checkpoints import CheckpointStore
+    from pipeline.config import Workdir
+
+    store = CheckpointStore(Workdir.of(slow).checkpoints)
+
+    def strike() -> None:  # the host's shard process, once training wrote its first periodic checkpoint
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            pids = _host_shard_pids()
+            if pids and store.latest() is not None:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=strike, daemon=True).start()
+    result = train(spark, slow, manifest)
+    assert killed, "no shard process to kill"
+    [failure] = result.failed_attempts
+    assert f"pid {killed[0]}" in failure["error"] and "died: its control link to the driver broke" in failure["error"]
+    assert 0 < failure["step"] < steps  # restarted from a checkpoint, not from scratch
+    assert result.steps == steps
+    assert [r["epoch"] for r in result.history] == list(range(cfg.train.epochs))

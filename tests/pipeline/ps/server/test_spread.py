@@ -3,6 +3,7 @@ reach a real registry over the authenticated wire, the SpreadServer attaches the
 Every "host" is 127.0.0.1 here; tests/cluster runs it on separate network namespaces."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -113,6 +114,53 @@ def test_shards_on_two_hosts_train_bit_for_bit_like_the_driver_server(hosts, mak
     assert torch.equal(spread.buffers(), torch.full((3,), 1.5))  # the replicas' buffers, merged on the driver
     for p in bed.processes:  # detaching closed the shards: their processes end by themselves
         assert p.wait_exit() == 0
+
+
+ADAM = OptimizerSpec(name="adam", lr=0.01)
+
+
+@pytest.mark.parametrize("mode, compression, staleness, optimizer", [
+    ("sync", "fp16", 0, SGD), ("sync", "topk", 0, SGD), ("async", "none", 0, ADAM), ("ssp", "bf16", 1, SGD),
+    ("average", "none", 0, SGD)])
+def test_every_mode_and_compression_on_two_hosts_matches_two_driver_shards(hosts, make_server, secret, mode,
+                                                                           compression, staleness, optimizer):
+    """The same slices, the same elementwise updates, the same arrival order (one thread drives both ranks):
+    shards on two hosts and two shards beside the driver end on the same bits."""
+    torch.manual_seed(2)
+    initial = torch.randn(N)
+    grads = [[torch.randn(N) for _ in range(2)] for _ in range(5)]
+    consistency = Consistency(mode=mode, staleness=staleness)
+    reference = make_server(initial, world_size=2, shards=2, optimizer=optimizer, timeout_s=10.0,
+                            buffers=_buffers(), consistency=consistency, compression=compression, topk_ratio=0.3)
+    _train_mode(reference.address, secret, grads, mode)
+    settings = dataclasses.replace(_settings(mode), consistency=consistency, compression=compression, topk_ratio=0.3,
+                                   optimizer=optimizer)
+    spread = SpreadServer(initial, settings, world_size=2, secret=secret, buffers=_buffers())
+    hosts(2).attach(spread)
+    _train_mode(spread.address, secret, grads, mode)
+    assert spread.detach()
+    assert torch.equal(spread.parameters(), reference.parameters())
+    assert spread.version == reference.version
+
+
+def _train_mode(address, secret, grads, mode):
+    if mode in ("sync", "average"):  # every rank's push of a round before any pull
+        _train(address, secret, grads)
+        return
+    clients = [PSClient(*address, rank=r, secret=secret, generation=1, timeout_s=10.0) for r in range(2)]
+    try:
+        for c in clients:
+            c.connect()
+        for step, per_rank in enumerate(grads):  # each rank's push answered before the other's: one order
+            for client, grad in zip(clients, per_rank):
+                client.push(step, grad)
+                client.pull(step + 1)
+        for rank, c in enumerate(clients):
+            c.push_buffers(len(grads), torch.full((3,), float(rank + 1)))
+            c.finish()
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_a_retry_attaches_other_hosts_and_continues_from_the_kept_state(hosts, make_server, secret):
