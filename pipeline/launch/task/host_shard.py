@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from pipeline.wire.deadline import Timeout
 
 if TYPE_CHECKING:
-    from pipeline.launch.task.body import TaskWiring
     from pipeline.worker.plan import WorkerPlan
 
 log = logging.getLogger(__name__)
@@ -42,8 +41,8 @@ def task_hosts(context) -> list[str]:
     return [info.address.rsplit(":", 1)[0] for info in context.getTaskInfos()]
 
 
-def start_host_shard(context, plan: "WorkerPlan", wiring: "TaskWiring"):
-    """(HostShardProcess, None) for the first rank on its host once its shard is READY; (None, None) for
+def start_host_shard(context, plan: "WorkerPlan", wiring):
+    """``wiring``: the task's ``body.TaskWiring`` (its ``hosts`` set). (HostShardProcess, None) for the first rank on its host once its shard is READY; (None, None) for
     every other rank; (None, error text) when it could not be started: every rank must still reach the
     allGather."""
     from pipeline.ps.processes.host_shard import Bootstrap, HostShardProcess
