@@ -220,13 +220,14 @@ def _line(row: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| N | rate | model | backend | step ms (driver's window / ranks' clock) | MB a step up/down, each worker "
-            "link (measured) | predicted "
+            "link (measured) | predicted | the same over the whole run "
             "| driver link MB a step (measured / predicted) | link-bound efficiency (up+down) | busiest direction |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['n']} | {r['rate']} | {r['model']} | {r['backend']} | {r['step_ms']:.1f} / "
         f"{r.get('rank_step_ms', float('nan')):.1f} | "
         f"{' '.join(_mb(b) for b in r['link_bytes'].values())} | {_mb(r['predicted'])} | "
+        f"{' '.join(_mb(b) for b in r.get('whole_run_link_bytes', {}).values())} | "
         f"{r['driver_bytes'] / 1e6:.3f} / {r['predicted_driver'] / 1e6:.2f} | "
         f"{r['efficiency']:.2f} | {r['duplex_efficiency']:.2f} |\n" for r in rows)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
