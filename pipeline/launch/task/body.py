@@ -94,23 +94,27 @@ def _meeting_at_ps(context, plan: WorkerPlan, wiring: TaskWiring):
 def _run_with_rendezvous(context, plan: WorkerPlan, wiring: TaskWiring, gpu: Optional[str]) -> dict:
     from pipeline.launch.task.rendezvous import own_host, rendezvous, stage_listener
 
-    # Import what training needs before the rendezvous: a fresh Python worker's torch import must not eat
-    # into the deadlines that start there (a peer's PS wait, the connect watchdog).
-    from pipeline.worker import loop as _preloaded  # noqa: F401
-
     host_ps = listener = found = shard = None
+    offer_error, device = None, "cpu"
     try:
-        offer_error, device = None, "cpu"
+        if wiring.hosts is not None:  # ps.placement=hosts: first, so the shard's torch import overlaps this task's
+            from pipeline.launch.task.host_shard import spawn_host_shard
+
+            shard, offer_error = spawn_host_shard(context, plan, wiring)
+        # Import what training needs before the rendezvous: a fresh Python worker's torch import must not eat
+        # into the deadlines that start there (a peer's PS wait, the connect watchdog).
+        from pipeline.worker import loop as _preloaded  # noqa: F401
+
         try:  # before the rendezvous: the group's ranks must agree on cuda vs cpu before joining
             device = choose_device(gpu)
         except Exception as exc:  # noqa: BLE001 - every rank must still reach the allGather
-            offer_error = f"rank {plan.rank}: {type(exc).__name__}: {exc}"
+            offer_error = offer_error or f"rank {plan.rank}: {type(exc).__name__}: {exc}"
         if plan.rank == 0 and wiring.hosted is not None and offer_error is None:
             host_ps, offer_error = _start_hosted_ps(wiring, own_host(context, 0))
-        if wiring.hosts is not None and offer_error is None:  # ps.placement=hosts: the host's first rank
-            from pipeline.launch.task.host_shard import start_host_shard
+        if shard is not None and offer_error is None:  # ps.placement=hosts: set up by the driver
+            from pipeline.launch.task.host_shard import await_host_shard
 
-            shard, offer_error = start_host_shard(context, plan, wiring)
+            offer_error = await_host_shard(shard, plan, wiring)
         if plan.stage is not None and plan.stage.stage > 0 and offer_error is None:
             listener, offer_error = stage_listener(context, plan, wiring.secret, tls=wiring.tls)
         offered = host_ps.server.address if host_ps is not None else None

@@ -41,10 +41,10 @@ def task_hosts(context) -> list[str]:
     return [info.address.rsplit(":", 1)[0] for info in context.getTaskInfos()]
 
 
-def start_host_shard(context, plan: "WorkerPlan", wiring):
-    """``wiring``: the task's ``body.TaskWiring`` (its ``hosts`` set). (HostShardProcess, None) for the first rank on its host once its shard is READY; (None, None) for
-    every other rank; (None, error text) when it could not be started: every rank must still reach the
-    allGather."""
+def spawn_host_shard(context, plan: "WorkerPlan", wiring):
+    """``wiring``: the task's ``body.TaskWiring`` (its ``hosts`` set). Start this host's shard process when
+    this is the host's first rank: (HostShardProcess, None); (None, None) for every other rank; (None, error
+    text) when it could not be started: every rank must still reach the allGather."""
     from pipeline.ps.processes.host_shard import Bootstrap, HostShardProcess
 
     spread = wiring.hosts
@@ -57,18 +57,29 @@ def start_host_shard(context, plan: "WorkerPlan", wiring):
                      index=order.index(mine), hosts=len(order), host=mine, connect_s=spread.connect.seconds,
                      connect_key=spread.connect.key, max_bytes=spread.max_bytes,
                      tls_fingerprint=wiring.tls.fingerprint if wiring.tls is not None else None)
-    process = None
     try:
-        process = HostShardProcess(boot, python_path=_package_root())
-        address = process.wait_ready(Timeout(spread.connect.seconds + SETUP_S, spread.connect.key))
-        log.info("rank %d started the parameter-server shard of host %d of %d (%s:%d, pid %d)", plan.rank,
-                 boot.index, boot.hosts, address[0], address[1], process.pid)
-        return process, None
+        return HostShardProcess(boot, python_path=_package_root()), None
     except Exception as exc:  # noqa: BLE001 - reported through the allGather
-        if process is not None:
-            process.close()
-        return None, (f"rank {plan.rank} could not start the parameter-server shard of host {boot.index} "
-                      f"({mine}, ps.placement=hosts): {type(exc).__name__}: {exc}")
+        return None, _cannot(plan, boot, exc)
+
+
+def await_host_shard(process, plan: "WorkerPlan", wiring):
+    """Wait until the driver has set this host's shard up (None), or the error text for the allGather (the
+    process is then closed)."""
+    boot = process.boot
+    try:
+        address = process.wait_ready(Timeout(wiring.hosts.connect.seconds + SETUP_S, wiring.hosts.connect.key))
+    except Exception as exc:  # noqa: BLE001 - reported through the allGather
+        process.close()
+        return _cannot(plan, boot, exc)
+    log.info("rank %d started the parameter-server shard of host %d of %d (%s:%d, pid %d)", plan.rank, boot.index,
+             boot.hosts, address[0], address[1], process.pid)
+    return None
+
+
+def _cannot(plan: "WorkerPlan", boot, exc: BaseException) -> str:
+    return (f"rank {plan.rank} could not start the parameter-server shard of host {boot.index} ({boot.host}, "
+            f"ps.placement=hosts): {type(exc).__name__}: {exc}")
 
 
 def _package_root() -> str:

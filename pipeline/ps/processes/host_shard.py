@@ -99,7 +99,7 @@ class HostShardProcess:
         path (an executor's Python has it from a shipped wheel, not from site-packages)."""
         import subprocess
 
-        self._boot = boot
+        self.boot = boot
         env = dict(os.environ)
         if python_path:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path, env.get("PYTHONPATH")) if p)
@@ -123,7 +123,7 @@ class HostShardProcess:
         reader.join(remaining(deadline))
         if reader.is_alive():
             raise timeout.error(f"the driver to set up this host's parameter-server shard (pid {self.pid}, host "
-                                f"{self._boot.index} of {self._boot.hosts})",
+                                f"{self.boot.index} of {self.boot.hosts})",
                                 why="every host's shard process must reach the driver first")
         words = (line[0] if line else "").split()
         if len(words) != 3 or words[0] != READY:

@@ -83,11 +83,12 @@ def test_a_killed_shard_process_fails_the_attempt_naming_it_and_the_retry_finish
     from pipeline.config import Workdir
 
     store = CheckpointStore(Workdir.of(slow).checkpoints)
+    earlier = set(_host_shard_pids())  # an earlier test's shard may still be exiting
 
     def strike() -> None:  # the host's shard process, once training wrote its first periodic checkpoint
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            pids = _host_shard_pids()
+            pids = [pid for pid in _host_shard_pids() if pid not in earlier]
             if pids and store.latest() is not None:
                 os.kill(pids[0], signal.SIGKILL)
                 killed.append(pids[0])
