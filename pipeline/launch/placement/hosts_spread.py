@@ -54,6 +54,7 @@ class ShardAdopter:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        self._server.abandon(self._generation)  # an attach still under way closes instead of committing
         self._registry.close()  # a wait for hosts that never came ends now
         self._thread.join(30)
         if self._server.attached:  # the job ended before every rank did (Spark stopped it)

@@ -50,23 +50,34 @@ class Link:
 
     def __init__(self, sock: socket.socket, *, max_bytes: int, peer: str) -> None:
         self._sock = sock
-        self._max_bytes = max_bytes
+        self.max_bytes = max_bytes
         self._peer = peer
         self._send_lock = threading.Lock()
+        self._io_timeout: Optional[float] = None
         sock.settimeout(None)
 
     @property
     def peer(self) -> str:
         return self._peer
 
+    def set_io_timeout(self, seconds: Optional[float]) -> None:
+        """Bound every send and every read inside a message (None: block). A read that stalls past it ends
+        the link (EOFError), as a peer's close would: the message's rest could no longer be told apart."""
+        self._io_timeout = seconds
+        self._sock.settimeout(seconds)
+
     def send(self, obj: Any) -> None:
         frames = encode(obj)
-        parts = [_COUNT.pack(len(frames))]
-        for frame in frames:
-            parts += [_LENGTH.pack(len(frame)), frame]
         with self._send_lock:
-            for part in parts:
-                self._sock.sendall(part)
+            head = _COUNT.pack(len(frames))
+            for frame in frames:  # small frames ride with their length in one write (TCP_NODELAY is on)
+                length = _LENGTH.pack(len(frame))
+                if len(frame) < 64 * 1024:
+                    self._sock.sendall(head + length + bytes(frame))
+                else:
+                    self._sock.sendall(head + length)
+                    self._sock.sendall(frame)
+                head = b""
 
     def recv(self) -> Any:
         """The next message; EOFError when the peer closed the link (or it broke), ProtocolError when it
@@ -74,17 +85,18 @@ class Link:
         (count,) = _COUNT.unpack(self._read(_COUNT.size))
         if not 1 <= count <= MAX_FRAMES:
             raise ProtocolError(f"control link from {self._peer}: a message of {count} frames (1..{MAX_FRAMES})")
-        frames, budget = [], self._max_bytes
+        frames, budget = [], self.max_bytes
         for _ in range(count):
             (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
             if length > budget:
-                raise ProtocolError(f"control link from {self._peer}: a message over {self._max_bytes} bytes")
+                raise ProtocolError(f"control link from {self._peer}: a message over {self.max_bytes} bytes")
             budget -= length
             frames.append(self._read(length))
         try:
             return decode(frames)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ProtocolError(f"control link from {self._peer}: undecodable message: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever a malformed document raises, it is a protocol error
+            raise ProtocolError(f"control link from {self._peer}: undecodable message: {type(exc).__name__}: "
+                                f"{exc}") from None
 
     def _read(self, size: int) -> bytes:
         buffer = bytearray(size)
@@ -92,6 +104,9 @@ class Link:
         while got < size:
             try:
                 n = self._sock.recv_into(view[got:])
+            except TimeoutError:
+                raise EOFError(f"the control link to {self._peer} stalled for {self._io_timeout:g}s inside a "
+                               "message") from None
             except OSError:
                 n = 0
             if n == 0:
@@ -103,7 +118,10 @@ class Link:
         pending = getattr(self._sock, "pending", None)  # an ssl socket may hold decrypted bytes already
         if pending is not None and pending():
             return True
-        ready, _, _ = select.select([self._sock], [], [], timeout)
+        try:
+            ready, _, _ = select.select([self._sock], [], [], timeout)
+        except (OSError, ValueError):  # closed meanwhile: the read says so
+            return True
         return bool(ready)
 
     def close(self) -> None:

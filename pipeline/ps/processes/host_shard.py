@@ -106,9 +106,16 @@ class HostShardProcess:
         self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.ps.processes.host_shard"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
         self.pid = self._proc.pid
-        self._proc.stdin.write(boot.to_line())  # the secret goes down stdin, never argv or the environment
-        self._proc.stdin.flush()
         self.address: Optional[tuple[str, int]] = None
+        try:
+            self._proc.stdin.write(boot.to_line())  # the secret goes down stdin, never argv or the environment
+            self._proc.stdin.flush()
+        except OSError as exc:
+            self.close()
+            from pipeline.errors import PSError
+
+            raise PSError(f"the parameter-server shard process (pid {self.pid}) ended before it read its "
+                          f"bootstrap: {exc}") from None
 
     def wait_ready(self, timeout) -> tuple[str, int]:
         """The shard's address once the driver has set it up; PSTimeoutError naming ``timeout``'s key, or
@@ -127,9 +134,12 @@ class HostShardProcess:
                                 why="every host's shard process must reach the driver first")
         words = (line[0] if line else "").split()
         if len(words) != 3 or words[0] != READY:
-            code = self._proc.poll() if self._proc.poll() is not None else self._proc.wait(5)
+            if self._proc.poll() is None:  # alive, but it wrote something else on its READY channel
+                self.close()
+                raise PSError(f"this host's parameter-server shard process (pid {self.pid}) wrote "
+                              f"{(line[0] if line else '')[:200]!r} instead of READY")
             raise PSError(f"this host's parameter-server shard process (pid {self.pid}) ended before it was set up "
-                          f"(exit code {code}); the driver's log says why")
+                          f"(exit code {self._proc.returncode}); the driver's log says why")
         self.address = (words[1], int(words[2]))
         return self.address
 
@@ -182,7 +192,7 @@ def main() -> None:
     threading.Thread(target=_exit_when_stdin_closes, daemon=True, name="ps-host-shard-stdin").start()
     code = 0
     try:
-        serve(calls, calls, events, on_ready=ready)
+        serve(calls, calls, events, on_ready=ready, secret=bytes.fromhex(boot.secret_hex))
     except BaseException:  # noqa: BLE001 - e.g. the driver's end broke mid-reply; the driver names the loss
         logger.warning("shard of host %d stopped serving the driver", boot.index, exc_info=True)
         code = 1

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 # Handshakes at once: a host has one process with two links; more is a flood, dropped unread.
 MAX_PENDING = 64
+# The hello is a small dict; the link's state-sized cap applies only once it is admitted.
+HELLO_MAX_BYTES = 4096
+MAX_HOSTS = 4096
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ShardRegistry:
         self._problems: list[str] = []
         self._pending = threading.Semaphore(MAX_PENDING)
         self._closed = False
+        self._handed_out = False  # wait_for_hosts returned the children: their links are the caller's now
         self._sock = listen(host, 0, backlog=MAX_PENDING)
         self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
         self._thread = threading.Thread(target=self._accept, daemon=True, name="ps-shard-registry")
@@ -77,16 +81,20 @@ class ShardRegistry:
 
     def close(self) -> None:
         """Stop admitting; links already handed out belong to their shards now."""
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            for child in self._children.values():
+                if not self._handed_out or child.calls is None or child.events is None:
+                    child.close()  # never handed out: its process sees its links close and ends
+            self._cond.notify_all()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone does not on Linux
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:
             pass
-        with self._cond:
-            for child in self._children.values():
-                if child.calls is None or child.events is None:  # never handed out: half-open
-                    child.close()
-            self._cond.notify_all()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -100,11 +108,14 @@ class ShardRegistry:
             threading.Thread(target=self._admit, args=(sock, peer), daemon=True, name="ps-shard-admit").start()
 
     def _admit(self, sock: socket.socket, peer: tuple) -> None:
+        from pipeline.errors import ProtocolError
         from pipeline.wire.frames import Channel
         from pipeline.wire.handshake import HANDSHAKE_S, Refusal, answer, send_refusal, server_handshake
+        from pipeline.wire.sockets import set_socket_options
 
         try:
             try:
+                set_socket_options(sock)  # TCP_NODELAY (a call is a small write then a read) and keepalive
                 if self._tls is not None:
                     from pipeline.wire.tls import wrap_server
 
@@ -118,11 +129,12 @@ class ShardRegistry:
                     raise Refusal(f"a shard process of generation {claim.generation}")
                 answer(channel, self._secret, claim.nonce, generation=self._generation, rank=0,
                        deadline=deadline_after(HANDSHAKE_S))
-                link = Link(sock, max_bytes=self._max_bytes, peer=f"{peer[0]}:{peer[1]}")
-                sock.settimeout(HANDSHAKE_S)
+                link = Link(sock, max_bytes=HELLO_MAX_BYTES, peer=f"{peer[0]}:{peer[1]}")
+                link.set_io_timeout(HANDSHAKE_S)
                 hello = link.recv()
-                sock.settimeout(None)
-            except (Refusal, OSError, EOFError, PSError) as exc:
+                link.set_io_timeout(None)
+                link.max_bytes = self._max_bytes
+            except (Refusal, OSError, EOFError, PSError, ProtocolError) as exc:
                 logger.warning("refused a shard-process connection from %s: %s", peer, exc)
                 sock.close()
                 return
@@ -133,11 +145,16 @@ class ShardRegistry:
     def _register(self, rank: int, hello: object, link: Link, peer: tuple) -> None:
         index, channel = parse_link_rank(rank)
         problem = None
-        if not isinstance(hello, dict) or not {"index", "hosts", "host", "pid"} <= set(hello):
+        if not (isinstance(hello, dict) and {"index", "hosts", "host", "pid"} <= set(hello)
+                and all(isinstance(hello[k], int) for k in ("index", "hosts", "pid"))
+                and isinstance(hello["host"], str) and len(hello["host"]) <= 255):
             problem = f"a shard process at {peer[0]} sent no valid hello"
-        elif hello["index"] != index or not 0 <= index < int(hello["hosts"]):
-            problem = f"a shard process at {peer[0]} claims host {index} but says {hello}"
+        elif hello["index"] != index or not 0 <= index < hello["hosts"] <= MAX_HOSTS:
+            problem = f"a shard process at {peer[0]} claims host {index} of {hello['hosts']} (at most {MAX_HOSTS})"
         with self._cond:
+            if self._closed:  # the attempt's wait is over: nobody would close this link
+                link.close()
+                return
             if problem is None:
                 child = self._children.setdefault(index, HostChild(index, int(hello["hosts"]), str(hello["host"]),
                                                                    int(hello["pid"])))
@@ -164,12 +181,16 @@ class ShardRegistry:
                                   f"({sorted(counts)})")
                 ready = [c for c in self._children.values() if c.calls is not None and c.events is not None]
                 if counts and len(ready) == next(iter(counts)):
+                    self._handed_out = True
                     return sorted(ready, key=lambda c: c.index)
+                expected = next(iter(counts)) if counts else None
+                missing = (sorted(set(range(expected)) - {c.index for c in ready}) if expected is not None
+                           else "every host")
+                if self._closed:
+                    raise PSError(f"the attempt ended before the parameter-server shard process of host(s) {missing} "
+                                  "reached the driver")
                 left = None if deadline is None else deadline - time.monotonic()
-                if self._closed or (left is not None and left <= 0):
-                    expected = next(iter(counts)) if counts else None
-                    missing = (sorted(set(range(expected)) - {c.index for c in ready}) if expected is not None
-                               else "every host")
+                if left is not None and left <= 0:
                     raise timeout.error(f"the parameter-server shard process of host(s) {missing} to reach the "
                                         f"driver at {self.address[0]}:{self.address[1]}",
                                         why="each host's first barrier task starts one")

@@ -8,6 +8,7 @@ is the shard's death, named with its host.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -25,10 +26,14 @@ class RemoteShard(ShardProxy):
 
     def __init__(self, init: ShardInit, child: HostChild, **callbacks: Any) -> None:
         self._child = child
-        super().__init__(init, (child.calls, child.calls, child.events), pid=child.pid, **callbacks)
         # A host cut off sends no FIN: a call it does not answer within the step deadline is its loss, the
-        # same deadline a rank's silence gets (and a shorter cut is ridden out).
+        # same deadline a rank's silence gets (and a shorter cut is ridden out). The same bound holds every
+        # send and every read inside a reply, so a link cut mid-message cannot hold a call forever.
         self._step = init.settings.step_timeout
+        child.calls.set_io_timeout(self._step.seconds)
+        # The secret is proved on the wire, never sent: the process has its own copy from its task's stdin.
+        super().__init__(dataclasses.replace(init, secret=b""), (child.calls, child.calls, child.events),
+                         pid=child.pid, **callbacks)
         self._call_timeout_s = self._step.seconds
 
     @property
@@ -44,10 +49,13 @@ class RemoteShard(ShardProxy):
 
     def _unanswered(self, what: str, timeout: float) -> PSError:
         """The link may now carry a late reply out of order: the shard is lost, named once, and its links
-        closed (which ends the process if it still runs)."""
+        closed (which ends the process if it still runs). Not while closing: the end of the attempt."""
+        if self._closing:
+            return PSError(f"{self.describe()} did not answer {what} within {timeout:g}s while closing")
         if self._death is None:
-            self._death = (f"{self.describe()} did not answer the driver's {what} within {timeout:g}s "
-                           f"({self._step.key}): its host is cut off, or the process hangs")
+            knob = f" ({self._step.key})" if timeout == self._step.seconds else ""
+            self._death = (f"{self.describe()} did not answer the driver's {what} within {timeout:g}s{knob}: "
+                           "its host is cut off, or the process hangs")
             logger.error("%s", self._death)
             self._child.close()
             self._on_death(self._death)

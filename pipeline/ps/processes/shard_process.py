@@ -22,6 +22,7 @@ same way; today the only kind is ``dense`` (``shard.ShardServer``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -101,13 +102,18 @@ def _handle(hosted: Hosted, shard: Any, buffers: Any, op: str, args: tuple) -> A
     raise ValueError(f"the shard process does not answer {op!r} {args[:1]!r}")
 
 
-def serve(requests: Any, replies: Any, events_conn: Any, *, on_ready: Callable[[Any], None] | None = None) -> None:
+def serve(requests: Any, replies: Any, events_conn: Any, *, on_ready: Callable[[Any], None] | None = None,
+          secret: bytes | None = None) -> None:
     """Build the shard from the first message, then answer calls until the parent's end closes.
-    ``on_ready(shard)`` answers the parent's ``ready`` (ps.placement=hosts: the shard is set up, tell the task)."""
+    ``on_ready(shard)`` answers the parent's ``ready`` (ps.placement=hosts: the shard is set up, tell the task);
+    ``secret``: the job secret this process got on its own (ps.placement=hosts: the ShardInit that crosses the
+    network carries none, so the secret is only ever proved on the wire, never sent)."""
     init = requests.recv()
     if not isinstance(init, ShardInit) or init.kind not in HOSTED:
         raise SystemExit(f"shard process: the first message must be a ShardInit of a known kind, got "
                          f"{type(init).__name__} {getattr(init, 'kind', '')!r}")  # never its repr: the secret
+    if secret is not None:
+        init = dataclasses.replace(init, secret=secret)
     hosted = HOSTED[init.kind]
     events = _Events(events_conn)
     buffers = None

@@ -24,7 +24,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from pipeline.errors import PSError, WorkerFailure
+from pipeline.errors import PSError, ProtocolError, WorkerFailure
 from pipeline.ps.transport.connection import ShardAddress
 from pipeline.ps.modes.consistency import Consistency
 from pipeline.ps.processes.control_pipe import Pipe
@@ -110,7 +110,11 @@ class ShardProxy:
                 if not self._replies.poll(timeout):
                     raise self._unanswered(str(args[0]) if args else op, timeout)
                 status, value = self._replies.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, ProtocolError, ValueError):
+                # A broken channel, or a reply it cannot read (the next one would be misread after it): the
+                # process is lost to this proxy. While closing, that is just the end (a view racing close()).
+                if self._closing:
+                    raise PSError(f"{self.describe()} is closed") from None
                 raise PSError(self._died()) from None
         if status != "ok":
             raise PSError(f"{self.describe()}: {value}")
@@ -121,6 +125,9 @@ class ShardProxy:
             try:
                 message = self._events.recv()
             except (EOFError, OSError):
+                break
+            except Exception:  # noqa: BLE001 - an unreadable event: the channel cannot be trusted any more
+                logger.exception("%s: unreadable event", self.describe())
                 break
             try:
                 self._dispatch(message)

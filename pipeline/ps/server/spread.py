@@ -55,6 +55,7 @@ class SpreadServer:
         self._tls = tls
         self._lock = threading.RLock()
         self._detaching = threading.Lock()
+        self._abandoned: set[int] = set()  # generations whose attempt ended: a late attach must not commit
         self._inner: Optional["ParameterServer"] = None
         self._state: Optional[dict] = None  # the kept state; None: the initial parameters, no optimizer state
         self._lost = False  # the last attempt left no consistent state: load a checkpoint before the next
@@ -96,6 +97,9 @@ class SpreadServer:
             server.close()
             raise
         with self._lock:
+            if generation in self._abandoned:  # the attempt ended while its shards were being set up
+                server.close()
+                raise PSError(f"attempt generation {generation} ended before its shards were set up")
             self._inner, self._generation = server, generation
             self.hosts = [c.host for c in children]
             logger.info("parameter server spread over %d host(s): %s", len(children),
@@ -130,6 +134,12 @@ class SpreadServer:
             logger.warning("the parameter server's shards left no consistent state (%s); the retry starts them "
                            "from the newest checkpoint", why)
         return state is not None
+
+    def abandon(self, generation: int) -> None:
+        """The attempt of ``generation`` ended: an attach of it still under way closes its shards instead
+        of committing (it would bring back that generation after the retry moved on)."""
+        with self._lock:
+            self._abandoned.add(generation)
 
     @property
     def attached(self) -> bool:

@@ -248,3 +248,24 @@ def test_a_process_without_the_secret_is_refused(secret, hosts):
     finally:
         intruder.close()
         registry.close()
+
+
+def test_the_secret_is_proved_on_a_control_link_never_sent(hosts, secret, monkeypatch):
+    """Without ps.tls the control links are plain TCP: the ShardInit the driver sends carries no secret; the
+    host's process uses its own copy (from its task's stdin) to authenticate the workers."""
+    from pipeline.ps.processes import control_link
+    from pipeline.ps.processes.codec import encode
+
+    sent: list[bytes] = []
+    real = control_link.Link.send
+
+    def spy(self, obj):
+        sent.append(b"".join(bytes(frame) for frame in encode(obj)))
+        return real(self, obj)
+
+    monkeypatch.setattr(control_link.Link, "send", spy)
+    spread = SpreadServer(torch.zeros(N), _settings(), world_size=2, secret=secret, buffers=_buffers())
+    hosts(2).attach(spread)
+    _train(spread.address, secret, [[torch.ones(N), torch.ones(N)]])  # the shards still admit the ranks
+    assert spread.detach() and spread.version == 1
+    assert len(sent) > 4 and not any(secret in blob or secret.hex().encode() in blob for blob in sent)
