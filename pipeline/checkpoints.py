@@ -27,7 +27,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, PSError
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +287,8 @@ class Checkpointer:
             except SnapshotNotReady as why_not:
                 # Periodic saves retry at the next poll; a skipped request leaves the previous checkpoint.
                 log.log(logging.DEBUG if periodic else logging.INFO, "checkpoint (%s) skipped: %s", why, why_not)
+            except PSError as exc:  # the server failed (a lost shard names itself): the attempt's error says more
+                log.warning("could not take a checkpoint (%s): %s", why, exc)
             except Exception:
                 log.warning("could not write a checkpoint (%s) to %s", why, self._store.directory, exc_info=True)
 

@@ -70,7 +70,9 @@ def hosts(secret):
         h.close()
 
 
-def _train(address, secret, grads, generation=1, first_step=0):
+def _train(address, secret, grads, generation=1, first_step=0, *, one_by_one=False):
+    """Two ranks' steps, then their buffers and FINISH. Sync order (every push of a step, then the pulls), or
+    ``one_by_one`` (each rank's push answered before the other's: one arrival order for async and ssp)."""
     clients = [PSClient(*address, rank=r, secret=secret, generation=generation, timeout_s=10.0) for r in range(2)]
     try:
         for c in clients:
@@ -78,10 +80,12 @@ def _train(address, secret, grads, generation=1, first_step=0):
         for step, per_rank in enumerate(grads, start=first_step):
             for client, grad in zip(clients, per_rank):
                 client.push(step, grad)
-            for client in clients:
+                if one_by_one:
+                    client.pull(step + 1)
+            for client in [] if one_by_one else clients:
                 client.pull(step + 1)
         for rank, c in enumerate(clients):
-            c.push_buffers(len(grads), torch.full((3,), float(rank + 1)))
+            c.push_buffers(first_step + len(grads), torch.full((3,), float(rank + 1)))
         for c in clients:
             c.finish()
     finally:
@@ -144,23 +148,7 @@ def test_every_mode_and_compression_on_two_hosts_matches_two_driver_shards(hosts
 
 
 def _train_mode(address, secret, grads, mode):
-    if mode in ("sync", "average"):  # every rank's push of a round before any pull
-        _train(address, secret, grads)
-        return
-    clients = [PSClient(*address, rank=r, secret=secret, generation=1, timeout_s=10.0) for r in range(2)]
-    try:
-        for c in clients:
-            c.connect()
-        for step, per_rank in enumerate(grads):  # each rank's push answered before the other's: one order
-            for client, grad in zip(clients, per_rank):
-                client.push(step, grad)
-                client.pull(step + 1)
-        for rank, c in enumerate(clients):
-            c.push_buffers(len(grads), torch.full((3,), float(rank + 1)))
-            c.finish()
-    finally:
-        for c in clients:
-            c.close()
+    _train(address, secret, grads, one_by_one=mode in ("async", "ssp"))
 
 
 def test_a_retry_attaches_other_hosts_and_continues_from_the_kept_state(hosts, make_server, secret):
