@@ -81,8 +81,9 @@ class ShardAdopter:
             try:
                 if server.aborted or (server.finished_ranks | set(server.failures)) >= everyone:
                     break
-            except Exception:  # noqa: BLE001 - a shard died: its death aborted the server; end the others
-                log.debug("polling the spread shards failed", exc_info=True)
+            except Exception:  # noqa: BLE001 - the views do not raise today; if one ever does, this thread
+                # must still detach below, or the hosts' first tasks would wait for their shards forever
+                log.warning("polling the spread shards failed; ending them", exc_info=True)
                 break
         self._server.detach()
 

@@ -113,14 +113,12 @@ class SpreadServer:
                 return not self._lost
             state, why = None, ""
             try:
-                state = inner.state_dict(timeout_s=DETACH_STATE_S)
-                if state.get("buffers") is None and self._buffer_store is not None:
-                    state["buffers"] = inner.buffers()
+                state = inner.state_dict(timeout_s=DETACH_STATE_S)  # the merged buffers included
             except PSError as exc:
                 why = str(exc)
             # A failed attempt stays aborted until the next attaches: the stage watchdog's grace then ends a
             # barrier job whose cut-off tasks never return.
-            last = {"stats": _plain_stats(inner), "failures": dict(inner.failures), "aborted": inner.aborted,
+            last = {"stats": dict(inner.stats), "failures": dict(inner.failures), "aborted": inner.aborted,
                     "root_failures": dict(inner.root_failures), "finished_ranks": set(inner.finished_ranks),
                     "failure_cause": inner.failure_cause}
             with self._lock:  # the state and the views switch over together
@@ -163,16 +161,13 @@ class SpreadServer:
             inner.close()
 
     # -- the driver's API (ParameterServer's), attached or not -----------------------------------------
-    def _attached(self) -> Optional["ParameterServer"]:
-        return self._inner
-
     def fail(self, reason: str) -> None:
-        inner = self._attached()
+        inner = self._inner
         if inner is not None:
             inner.fail(reason)
 
     def new_generation(self, generation: int | None = None) -> int:
-        if self._attached() is not None:
+        if self._inner is not None:
             raise PSError("a new generation starts with the next attempt's shards (detach first)")
         self._generation = generation if generation is not None else self._generation + 1
         self._last["aborted"] = False  # the next attempt starts clean
@@ -193,7 +188,7 @@ class SpreadServer:
         return {} if self._buffer_store is None else {"buffers": self._buffer_store.merged()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._attached() is not None:
+        if self._inner is not None:
             raise PSError("load a state between attempts, not into the running shards")
         params = state.get("params")
         if not isinstance(params, torch.Tensor) or params.numel() != self._initial.numel():
@@ -203,11 +198,11 @@ class SpreadServer:
         self._state, self._lost = state, False
 
     def parameters(self) -> torch.Tensor:
-        inner = self._attached()
+        inner = self._inner
         return inner.parameters() if inner is not None else self.state_dict()["params"].clone()
 
     def buffers(self) -> torch.Tensor:
-        inner = self._attached()
+        inner = self._inner
         if inner is not None:
             return inner.buffers()
         if self._buffer_store is None:
@@ -240,18 +235,18 @@ class SpreadServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        inner = self._attached()
+        inner = self._inner
         if inner is None:
             raise PSError("ps.placement=hosts: the shards exist only while an attempt runs")
         return inner.address
 
     @property
     def shards(self) -> list:
-        inner = self._attached()
+        inner = self._inner
         return inner.shards if inner is not None else []
 
     def _view(self, name: str, detached: Any) -> Any:
-        inner = self._attached()
+        inner = self._inner
         return getattr(inner, name) if inner is not None else detached
 
     @property
@@ -288,12 +283,6 @@ class SpreadServer:
 
     @property
     def stats(self) -> dict[str, Any]:
-        inner = self._attached()
-        return _plain_stats(inner) if inner is not None else dict(self._last["stats"])
+        inner = self._inner
+        return dict(inner.stats) if inner is not None else dict(self._last["stats"])
 
-
-def _plain_stats(server: "ParameterServer") -> dict[str, Any]:
-    try:
-        return dict(server.stats)
-    except PSError:  # a dead shard: its last known counters are in by_shard already
-        return {}
