@@ -20,34 +20,42 @@ from pipeline.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def sparse_store(cfg: PipelineConfig, spec: Any, world_size: int) -> Optional[Any]:
-    """The run's SparseStore, or None when its model has no sparse table."""
-    from pipeline.launch.plans import consistency
+def sparse_spec(cfg: PipelineConfig, spec: Any) -> Optional[Any]:
+    """The run's SparseSpec (what each server shard builds its tables from), or None when its model has no
+    sparse table."""
     from pipeline.models import build_model
     from pipeline.models.sparse_embedding import sparse_modules
     from pipeline.ps.sparse.rowopt import RowOptimizerSpec
-    from pipeline.ps.sparse.store import SparseStore
-    from pipeline.ps.sparse.table import RowPolicy, SparseTable
+    from pipeline.ps.sparse.spec import SparseSpec
+    from pipeline.ps.sparse.table import RowPolicy
 
     modules = sparse_modules(build_model(spec))
     if not modules:
         return None
     check_supported(cfg)
     s = cfg.ps.sparse
-    tables = [SparseTable(m.spec, RowOptimizerSpec(s.optimizer, lr=s.lr), shards=s.row_shards,
-                          policy=RowPolicy(s.admit_after, s.ttl_steps, s.max_rows)) for m in modules]
-    log.info("sparse tables on the parameter server: %s (ps.sparse.optimizer=%s, lr=%g, %d row shards, %s rows)",
-             ", ".join(f"{m.spec.name}[{m.spec.num_rows or 'unbounded'}x{m.spec.dim}]" for m in modules),
-             s.optimizer, s.lr, s.row_shards, s.wire_dtype)
-    return SparseStore(tables, consistency(cfg), world_size, wire_dtype=spec.sparse.get("wire_dtype", "fp32"))
+    where = "spread over the hosts' shards" if cfg.ps.placement == "hosts" else "beside the driver's shard 0"
+    log.info("sparse tables on the parameter server (%s): %s (ps.sparse.optimizer=%s, lr=%g, %d row shards, "
+             "%s rows)", where, ", ".join(f"{m.spec.name}[{m.spec.num_rows or 'unbounded'}x{m.spec.dim}]"
+                                          for m in modules), s.optimizer, s.lr, s.row_shards, s.wire_dtype)
+    return SparseSpec(tuple(m.spec for m in modules), RowOptimizerSpec(s.optimizer, lr=s.lr), s.row_shards,
+                      RowPolicy(s.admit_after, s.ttl_steps, s.max_rows), spec.sparse.get("wire_dtype", "fp32"))
+
+
+def sparse_store(cfg: PipelineConfig, spec: Any, world_size: int) -> Optional[Any]:
+    """The run's SparseStore of the driver's shard 0, or None when its model has no sparse table."""
+    from pipeline.launch.plans import consistency
+
+    tables = sparse_spec(cfg, spec)
+    return None if tables is None else tables.build(consistency(cfg), world_size)
 
 
 def check_supported(cfg: PipelineConfig) -> None:
     """Refuse, naming the key, what cannot hold sparse tables yet."""
     problems = {
         "train.backend": (cfg.train.backend != "ps", "allreduce would move whole tables; use train.backend=ps"),
-        "ps.placement": (cfg.ps.placement != "driver", "sparse tables live beside the driver's PS; use "
-                                                       "ps.placement=driver"),
+        "ps.placement": (cfg.ps.placement == "task", "sparse tables live on the driver's PS or spread over the "
+                                                     "hosts' shards; use ps.placement=driver or hosts"),
         "parallelism.pipeline": (cfg.parallelism.pipeline > 1, "pipeline stages are not supported with sparse "
                                                                "tables; use parallelism.pipeline=1"),
         "ps.overlap": (cfg.ps.overlap, "dense buckets would reach the server before the step's rows; set "

@@ -132,7 +132,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
         with placement:
             rows, failed_attempts = run_attempts(placement, policy, slots)
             outcome = placement.outcome(rows)
-            if getattr(placement, "sparse", None) is not None:  # ps.sparse: the trained rows next to the model
+            if getattr(placement, "keeps_sparse_tables", False):  # ps.sparse: the trained rows next to the model
                 from pipeline.launch.sparse_tables import with_trained_tables
 
                 spec = with_trained_tables(cfg, spec, placement.server)

@@ -126,6 +126,11 @@ class DriverPS:
         return ParameterServer(run.initial, settings, world_size=cfg.parallelism.tasks, buffers=run.buffer_store(),
                                sparse=self.sparse, **common)
 
+    @property
+    def keeps_sparse_tables(self) -> bool:
+        """The server keeps sparse tables whose trained rows go next to the model when training ends."""
+        return self.sparse is not None
+
     def on_epoch(self, row: dict) -> None:
         from pipeline.launch.monitor import epoch_lr
 

@@ -98,11 +98,18 @@ class HostsPS(DriverPS):
     def _build_server(self, settings):
         from pipeline.ps.server.spread import SpreadServer
 
+        from pipeline.launch.sparse_tables import sparse_spec
+
         run, cfg = self.run, self.run.cfg
-        self.sparse = None  # refused up front (pipeline.launch.sparse_tables.check_supported)
+        self.sparse_spec = sparse_spec(cfg, run.spec)  # ps.sparse: each host's shard keeps its part of the rows
         log.info("ps.placement=hosts: one parameter-server shard per worker host, this process coordinating")
         return SpreadServer(run.initial, settings, world_size=cfg.parallelism.tasks, secret=self._secret,
-                            on_metrics=run.progress, buffers=run.buffer_store(), tls=self._tls)
+                            on_metrics=run.progress, buffers=run.buffer_store(), tls=self._tls,
+                            sparse=self.sparse_spec)
+
+    @property
+    def keeps_sparse_tables(self) -> bool:
+        return self.sparse_spec is not None
 
     def run_attempt(self, attempt: int) -> list[dict]:
         from pipeline.launch.task.body import TaskWiring
@@ -114,7 +121,7 @@ class HostsPS(DriverPS):
         plans = worker_plans(cfg, run.manifest, run.spec, run.steps_per_epoch, generation, attempt, None,
                              stream=run.stream)
         words = run.initial.numel() * STATE_WORDS_PER_PARAM + run.initial_buffers.numel()
-        max_bytes = 4 * words + CONTROL_SLACK_BYTES
+        max_bytes = 4 * words + CONTROL_SLACK_BYTES + (self.sparse_spec.max_state_bytes() if self.sparse_spec else 0)
         connect = deadlines(cfg).connect
         with ShardRegistry(self._host, self._secret, generation, max_bytes=max_bytes, tls=self._tls) as registry:
             wiring = TaskWiring(self._secret, cfg.train.log_tail_lines, tls=self._tls,

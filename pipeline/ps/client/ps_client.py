@@ -173,8 +173,8 @@ class PSClient(BufferRequests, BucketRounds, RendezvousRequests):
             for index, shard in enumerate(shards[1:], start=1):
                 other, other_info = self._handshake(shard.host, shard.port, timeout)
                 links.append(_Link(index, shard.host, shard.port, shard.start, shard.end, other))
-                if (other_info.num_params, other_info.shards, other_info.mode) != (
-                        info.num_params, info.shards, info.mode):
+                if (other_info.num_params, other_info.shards, other_info.mode, other_info.sparse_shards) != (
+                        info.num_params, info.shards, info.mode, info.sparse_shards):
                     raise ProtocolError(f"shard {index} at {shard.host}:{shard.port} announced a different "
                                         f"model or layout than shard 0")
         except BaseException:

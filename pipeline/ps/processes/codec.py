@@ -30,11 +30,15 @@ def _types() -> dict[str, type]:
     from pipeline.ps.modes.schedule import ScheduleSpec
     from pipeline.ps.settings import PSSettings
     from pipeline.ps.processes.shard_init import ShardInit
+    from pipeline.ps.sparse.rowopt import RowOptimizerSpec
+    from pipeline.ps.sparse.spec import SparseSpec
+    from pipeline.ps.sparse.table import RowPolicy, TableSpec
     from pipeline.wire.deadline import Timeout
     from pipeline.wire.tls import ServerCert
 
     return {t.__name__: t for t in (WorkerFailure, BufferSpec, ShardAddress, Consistency, OptimizerSpec,
-                                    ScheduleSpec, PSSettings, ShardInit, Timeout, ServerCert)}
+                                    ScheduleSpec, PSSettings, ShardInit, Timeout, ServerCert, SparseSpec, TableSpec,
+                                    RowOptimizerSpec, RowPolicy)}
 
 
 def encode(obj: Any) -> list[bytes | memoryview]:

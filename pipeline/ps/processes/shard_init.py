@@ -24,3 +24,5 @@ class ShardInit:
     tls: Any = None  # pipeline.wire.tls.ServerCert
     report_failures: bool = False  # True: failures go to the parent's board, which mirrors them back
     forward_metrics: bool = False
+    sparse: Any = None  # pipeline.ps.sparse.spec.SparseSpec: this shard keeps its part of every sparse table
+    sparse_parts: int = 1  # the rows are spread over shards [0, sparse_parts): this shard holds part shard_index

@@ -70,11 +70,15 @@ def _build_dense(init: ShardInit, events: _Events, buffers: Any) -> Any:
     def metrics(rank: int, values: dict) -> None:
         events.send("metrics", rank, values)
 
+    sparse = None
+    if init.sparse is not None:  # this shard's part of every sparse table (its rows, hashed by id)
+        sparse = init.sparse.build(init.settings.consistency, init.world_size,
+                                   part=(init.shard_index, init.sparse_parts))
     return ShardServer(init.initial, init.settings, world_size=init.world_size, secret=init.secret, host=init.host,
                        port=init.port, generation=init.generation, shard_index=init.shard_index, start=init.start,
                        total_params=init.total_params, buffers=buffers, tls=init.tls,
                        failure_sink=sink if init.report_failures else None,
-                       on_metrics=metrics if init.forward_metrics else None)
+                       on_metrics=metrics if init.forward_metrics else None, sparse=sparse)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from pipeline.ps.server.fanout import MixedVersionsText, ServerGroup
 from pipeline.ps.modes.consistency import Consistency
 from pipeline.ps.settings import SHARDS_KEY, PSSettings
 from pipeline.ps.server.shard import ShardServer
+from pipeline.ps.sparse.parts import merge_states, merge_stats, split_state
 
 if TYPE_CHECKING:  # ps.tls only
     from pipeline.wire.tls import ServerCert
@@ -77,7 +78,7 @@ class ParameterServer:
                  host: str, port: int = 0, generation: int = 1,
                  on_metrics: Callable[[int, dict], None] | None = None,
                  on_failure: FailureObserver | None = None, buffers: BufferStore | None = None,
-                 tls: ServerCert | None = None, sparse: Any = None,
+                 tls: ServerCert | None = None, sparse: Any = None, sparse_spec: Any = None,
                  spawn: Callable[..., Any] | None = None) -> None:
         if not isinstance(settings, PSSettings):
             raise PSError(f"ParameterServer needs PSSettings, got {type(settings).__name__}")
@@ -93,16 +94,21 @@ class ParameterServer:
         # (pipeline.ps.processes.remote_shard); else ps.server_processes' children on this host.
         processes = settings.server_processes or spawn is not None
         self._spawn = spawn
-        if processes and sparse is not None:
-            # The row store is plain state (pipeline.ps.sparse) but the child's ShardInit does not carry it yet.
-            raise PSError("sparse embedding tables (ps.sparse.min_rows) are served by in-process shards only: "
-                          "set ps.server_processes=false, or ps.sparse.min_rows=0 to keep every table dense")
+        if (processes and sparse is not None) or (sparse_spec is not None and spawn is None):
+            # ``sparse``: shard 0's store, in this process. ``sparse_spec``: each shard process builds its part of
+            # every table (rows hashed over the shards); only the hosts' shards do that today.
+            raise PSError("sparse embedding tables (ps.sparse.min_rows) are served by in-process shards or by "
+                          "ps.placement=hosts: set ps.server_processes=false, or ps.sparse.min_rows=0 to keep "
+                          "every table dense")
+        self._sparse_parts = len(self._ranges) if sparse_spec is not None else 0
         self._death: str | None = None
         # Shards in child processes always report failures to this process's board, which mirrors them.
         self._board = (FailureBoard(on_failure) if len(self._ranges) > 1 or on_failure is not None or processes
                        else None)
         member = dict(settings=settings, world_size=world_size, secret=secret, host=host, port=port,
                       on_metrics=on_metrics, tls=tls, flat=flat)
+        if sparse_spec is not None:
+            member.update(sparse=sparse_spec, sparse_parts=self._sparse_parts)
         if processes:
             from pipeline.ps.processes.shard_proxy import BuffersInChild
 
@@ -142,7 +148,7 @@ class ParameterServer:
         spec = BufferSpec(buffers.start()) if i == 0 and buffers is not None else None
         init = ShardInit("dense", flat[start:end].clone(), port=port if i == 0 else 0, generation=generation,
                          shard_index=i, start=start, total_params=self._num_params, buffers=spec, report_failures=True,
-                         forward_metrics=i == 0 and on_metrics is not None, **common)
+                         forward_metrics=i == 0 and on_metrics is not None, **common)  # sparse, sparse_parts
         if self._spawn is None:
             from pipeline.ps.processes.shard_proxy import ShardProcess as spawn
         else:
@@ -322,7 +328,8 @@ class ParameterServer:
         per = [s.stats for s in self._shards]
         if len(per) == 1:
             return {**per[0], "shards": 1}
-        sparse = {"sparse": per[0]["sparse"]} if "sparse" in per[0] else {}  # the tables live beside shard 0
+        parts = [p["sparse"] for p in per if "sparse" in p]  # shard 0's tables, or every shard's part of them
+        sparse = {"sparse": merge_stats(parts)} if parts else {}
         return {**self._group.summed_stats(per, _SUMMED_STATS), "shards": len(per), "by_shard": per, **sparse}
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -343,7 +350,7 @@ class ParameterServer:
                                                      [end - start for start, end in self._ranges]),
                 "optimizer_spec": states[0]["optimizer_spec"], "clocks": states[0]["clocks"],
                 "steps_applied_by_rank": states[0]["steps_applied_by_rank"],
-                **({"sparse": states[0]["sparse"]} if "sparse" in states[0] else {})}
+                **_merged_tables(states)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.revive():
@@ -359,10 +366,19 @@ class ParameterServer:
         if not isinstance(params, torch.Tensor) or params.numel() != self._num_params:
             raise PSError(f"checkpoint parameters do not match the server's {self._num_params} parameters")
         flat = params.reshape(-1)
-        for shard, (start, end) in zip(self._shards, self._ranges):
+        tables = state.get("sparse")
+        # Spread tables: each shard gets only the rows it owns; else the tables go to shard 0, whole.
+        parts = split_state(tables, self._sparse_parts) if tables is not None and self._sparse_parts else None
+        for i, (shard, (start, end)) in enumerate(zip(self._shards, self._ranges)):
             shard.load_state_dict({**state, "params": flat[start:end],
                                    "optimizer": _slice_optimizer_state(state["optimizer"], self._num_params,
-                                                                       start, end)})
+                                                                       start, end),
+                                   **({"sparse": parts[i]} if parts is not None else {})})
+
+
+def _merged_tables(states: list[dict]) -> dict:
+    parts = [st["sparse"] for st in states if "sparse" in st]
+    return {"sparse": merge_states(parts)} if parts else {}
 
 
 def _merge_optimizer_states(states: list[dict], sizes: list[int]) -> dict:

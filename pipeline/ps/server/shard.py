@@ -92,7 +92,8 @@ class ShardServer(ShardRequests):
         self._ledger = FailureLedger()
         self._stats = ShardStats()
         self._policy = make_policy(self._core, self._roster, self._ledger, self._stats, settings.consistency)
-        self._sparse = sparse  # sparse tables (pipeline.ps.sparse.store): shard 0 of a server only
+        # Sparse tables (pipeline.ps.sparse.store): shard 0's, or with ps.placement=hosts every shard's part.
+        self._sparse = sparse
         if sparse is not None:
             sparse.attach(self._core, self._policy)
         self._replying = 0  # requests woken by fail()/close() that still have to send their ERROR
@@ -368,6 +369,7 @@ class ShardServer(ShardRequests):
                    "clock": clock, "compression": self._settings.compression,
                    "topk_ratio": self._settings.topk_ratio, **self._settings.consistency.to_dict(),
                    "buffer_words": self._buffers.words if self._buffers is not None else 0,
+                   "sparse_shards": self._sparse.parts if self._sparse is not None else 1,
                    "shared_memory": rings_possible(channel, self._shm_cap)}  # pipeline.ps.transport.shm_offer
         return conn, welcome
 

@@ -30,6 +30,7 @@ from pipeline.ps.settings import PSSettings
 if TYPE_CHECKING:
     from pipeline.ps.processes.registry import HostChild
     from pipeline.ps.server.parameter_server import ParameterServer
+    from pipeline.ps.sparse.spec import SparseSpec
     from pipeline.ps.state.buffers import BufferStore
     from pipeline.wire.tls import ServerCert
 
@@ -45,7 +46,7 @@ class SpreadServer:
 
     def __init__(self, initial: torch.Tensor, settings: PSSettings, *, world_size: int, secret: bytes,
                  on_metrics: Callable[[int, dict], None] | None = None, buffers: "BufferStore | None" = None,
-                 tls: "ServerCert | None" = None) -> None:
+                 tls: "ServerCert | None" = None, sparse: "SparseSpec | None" = None) -> None:
         self._initial = initial.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
         self._settings = settings
         self._world_size = world_size
@@ -53,6 +54,7 @@ class SpreadServer:
         self._on_metrics = on_metrics
         self._buffer_store = buffers
         self._tls = tls
+        self._sparse = sparse  # each host's shard keeps its part of every sparse table (rows hashed by id)
         self._lock = threading.RLock()
         self._detaching = threading.Lock()
         self._abandoned: set[int] = set()  # generations whose attempt ended: a late attach must not commit
@@ -86,7 +88,7 @@ class SpreadServer:
         server = ParameterServer(state["params"] if state is not None else self._initial, settings,
                                  world_size=self._world_size, secret=self._secret, host=children[0].host,
                                  generation=generation, on_metrics=self._on_metrics, buffers=self._buffer_store,
-                                 tls=self._tls, spawn=spawn)
+                                 tls=self._tls, sparse_spec=self._sparse, spawn=spawn)
         try:
             server.start()
             if state is not None:

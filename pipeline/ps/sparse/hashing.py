@@ -37,11 +37,17 @@ def table_seed(name: str, seed: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def shard_of(ids: np.ndarray, shards: int) -> np.ndarray:
-    """Row shard of each id: ``mix64(id) % shards`` (mixed first, so sequential ids spread evenly)."""
+def shard_of(ids: np.ndarray, shards: int, stride: int = 1) -> np.ndarray:
+    """Shard of each id: ``mix64(id) // stride % shards`` (mixed first, so sequential ids spread evenly).
+
+    ``stride``: the number of server shards the rows are first split over (``mix64(id) % stride``), so the
+    row shards inside one server shard use other bits of the hash, not the ones every id there shares."""
     if shards == 1:
         return np.zeros(len(ids), dtype=np.int64)
-    return (mix64(ids) % np.uint64(shards)).astype(np.int64)
+    mixed = mix64(ids)
+    if stride > 1:
+        mixed //= np.uint64(stride)
+    return (mixed % np.uint64(shards)).astype(np.int64)
 
 
 def _unit(bits: np.ndarray) -> np.ndarray:

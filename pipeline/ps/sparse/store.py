@@ -137,7 +137,13 @@ class SparseStore:
 
     # -- views and checkpoints -----------------------------------------------------------------------
     def check_ids(self, index: int, ids: np.ndarray) -> str | None:
-        return bad_ids(self.tables[index].spec, ids)
+        table = self.tables[index]
+        return bad_ids(table.spec, ids) or table.foreign(ids)
+
+    @property
+    def parts(self) -> int:
+        """How many server shards the tables' rows are spread over (announced in WELCOME)."""
+        return self.tables[0].part[1] if self.tables else 1
 
     def stats_locked(self) -> dict[str, Any]:
         return {**self.counts, "tables": {t.spec.name: t.stats() for t in self.tables}}

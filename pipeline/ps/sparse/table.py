@@ -2,6 +2,10 @@
 ``mix64(id) % K``, created on first touch at a value seeded by (table, id), each shard with its own
 row-wise optimizer state (``rows.RowShard``).
 
+A table may be one *part* of a table spread over S server shards (``ps.placement: hosts``): part ``p``
+holds the ids with ``mix64(id) % S == p`` (``owner_of``), refuses others, and keeps only its own rows when
+a whole table's state is loaded into it (``pipeline.ps.sparse.parts`` merges and splits the parts' states).
+
 Ids are int64. A bounded table (``num_rows`` > 0: a categorical feature's vocabulary or hash buckets)
 refuses ids outside ``[0, num_rows)``; an unbounded one (``num_rows`` 0: hashed ids) takes any id >= 0.
 Memory is what was touched, never what was declared.
@@ -73,15 +77,23 @@ def bad_ids(spec: TableSpec, ids: np.ndarray) -> str | None:
     return None
 
 
+def owner_of(ids: np.ndarray, parts: int) -> np.ndarray:
+    """The part (server shard) each id's row lives on when a table is spread over ``parts`` shards."""
+    return shard_of(ids, parts)
+
+
 class SparseTable:
     def __init__(self, spec: TableSpec, optimizer: RowOptimizerSpec, *, shards: int = 1,
-                 policy: RowPolicy = RowPolicy()) -> None:
+                 policy: RowPolicy = RowPolicy(), part: tuple[int, int] = (0, 1)) -> None:
         if not 1 <= shards <= 1024:
             raise ConfigError(f"sparse table {spec.name!r}: row shards must be in [1, 1024], got {shards}")
+        if not 0 <= part[0] < part[1]:
+            raise ConfigError(f"sparse table {spec.name!r}: part {part[0]} of {part[1]} does not exist")
         self.spec = spec
         self.optimizer = optimizer
         self.policy = policy
-        cap = -(-policy.max_rows // shards) if policy.max_rows else 0
+        self.part = (int(part[0]), int(part[1]))
+        cap = -(-policy.max_rows // (shards * self.part[1])) if policy.max_rows else 0
         self.shards = [RowShard(spec.dim, optimizer, spec.initial_rows, admit_after=policy.admit_after,
                                 ttl_steps=policy.ttl_steps, max_rows=cap) for _ in range(shards)]
 
@@ -89,9 +101,23 @@ class SparseTable:
         """Per shard, the positions in ``ids`` it owns (each in ids' order)."""
         if len(self.shards) == 1:
             return [np.arange(len(ids))]
-        owner = shard_of(ids, len(self.shards))
+        owner = shard_of(ids, len(self.shards), stride=self.part[1])
         order = np.argsort(owner, kind="stable")
         return np.split(order, np.cumsum(np.bincount(owner, minlength=len(self.shards)))[:-1])
+
+    def foreign(self, ids: np.ndarray) -> str | None:
+        """Why ``ids`` are not all this part's (None: they are). A client routing by another shard count
+        would otherwise create rows here that the owning part also has."""
+        index, parts = self.part
+        if parts == 1 or not len(ids):
+            return None
+        owners = owner_of(ids, parts)
+        wrong = np.flatnonzero(owners != index)
+        if not len(wrong):
+            return None
+        return (f"table {self.spec.name!r}: id {int(ids[wrong[0]])} belongs to server shard {int(owners[wrong[0]])} "
+                f"of {parts}, not to this shard {index} ({len(wrong)} such id(s)); the client routes rows over "
+                "another number of shards than the server has")
 
     def lookup(self, ids: np.ndarray, step: int) -> torch.Tensor:
         """fp32 [n, dim] rows of distinct ``ids`` (rows created on first touch)."""
@@ -147,11 +173,18 @@ class SparseTable:
         rows = torch.cat([p["rows"] for p in parts]) if parts else torch.empty(0, self.spec.dim)
         seen = np.concatenate([p["last_seen"].numpy() for p in parts]) if parts else np.empty(0, np.int64)
         opt = {name: torch.cat([p["state"][name] for p in parts]) for name in (parts[0]["state"] if parts else {})}
+        if self.part[1] > 1:  # a whole table's state (or another split's part): keep this part's rows
+            mine = np.flatnonzero(owner_of(ids, self.part[1]) == self.part[0])
+            t = torch.from_numpy(mine)
+            ids, rows, seen = ids[mine], rows[t], seen[mine]
+            opt = {k: v[t] for k, v in opt.items()}
         for shard, pos in zip(self.shards, self._route(ids)):
             t = torch.from_numpy(pos)
             shard.load_rows(ids[pos], rows[t], {k: v[t] for k, v in opt.items()}, seen[pos])
         for shard in self.shards:
             shard.counts = {k: 0 for k in shard.counts}
+        if self.part[0]:  # the table's counters come back once, on part 0 (the parts' stats are summed)
+            return
         for part in parts:  # counters are the table's, whichever shard they were kept on
             for key, value in dict(part.get("counts") or {}).items():
                 self.shards[0].counts[key] = self.shards[0].counts.get(key, 0) + int(value)

@@ -221,6 +221,7 @@ class ServerInfo:
     topk_ratio: float = 0.01
     shards: tuple[ShardInfo, ...] = ()  # empty: one shard at the address connected to, [0, num_params)
     buffer_words: int = 0  # fp32 words of the model's buffers the server keeps (0: none, no buffer frames)
+    sparse_shards: int = 1  # sparse tables' rows are hashed over shards [0, sparse_shards) (table.owner_of)
 
 
 def parse_welcome(body: dict[str, Any]) -> ServerInfo:
@@ -233,11 +234,12 @@ def parse_welcome(body: dict[str, Any]) -> ServerInfo:
                           sync_every=int(body.get("sync_every", 1)), clock=int(body.get("clock", 0)),
                           compression=str(body.get("compression", "none")),
                           topk_ratio=float(body.get("topk_ratio", 0.01)), shards=shards,
-                          buffer_words=int(body.get("buffer_words", 0)))
+                          buffer_words=int(body.get("buffer_words", 0)),
+                          sparse_shards=int(body.get("sparse_shards", 1)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed WELCOME: {exc}") from None
     if info.num_params <= 0 or info.version < 0 or info.world_size <= 0 or \
-            not 0 <= info.buffer_words <= MAX_BUFFER_WORDS:
+            not 0 <= info.buffer_words <= MAX_BUFFER_WORDS or not 1 <= info.sparse_shards <= max(1, len(shards)):
         raise ProtocolError(f"implausible WELCOME: {info}")
     if shards:
         # The slices must tile [0, num_params) in order, or PARAMS would land in the wrong place.

@@ -257,3 +257,46 @@ def test_the_secret_is_proved_on_a_control_link_never_sent(hosts, secret, monkey
     _train(spread.address, secret, [[torch.ones(N), torch.ones(N)]])  # the shards still admit the ranks
     assert spread.detach() and spread.version == 1
     assert len(sent) > 4 and not any(secret in blob or secret.hex().encode() in blob for blob in sent)
+
+
+def test_sparse_tables_spread_over_two_hosts_train_like_the_driver_store_and_move_to_three(hosts, secret):
+    """Each host's shard keeps the rows hashed to it; two ranks training the two-table model end on the
+    rows and dense parameters of the driver's single store, and the rows survive a re-spread to 3 hosts."""
+    from pipeline.models import flat_parameters
+    from pipeline.models.sparse_embedding import sparse_modules
+    from pipeline.ps.sparse.rowopt import RowOptimizerSpec
+    from pipeline.ps.sparse.spec import SparseSpec
+
+    from tests.pipeline.ps.sparse.helpers import TwoTables, make_server, run_ranks, train_rank
+
+    def model():
+        torch.manual_seed(0)
+        return TwoTables()
+
+    row_opt = RowOptimizerSpec("adagrad", lr=0.2)
+    reference = make_server(model(), secret, world_size=2, row_opt=row_opt, timeout_s=10.0)
+    run_ranks(2, lambda rank: train_rank(reference, secret, rank, 6, model))
+    spec = SparseSpec(tuple(m.spec for m in sparse_modules(model())), row_opt, row_shards=2)
+    settings = dataclasses.replace(_settings(), optimizer=OptimizerSpec(name="sgd", lr=0.1))
+    spread = SpreadServer(flat_parameters(model()), settings, world_size=2, secret=secret, sparse=spec)
+    hosts(2).attach(spread)
+    run_ranks(2, lambda rank: train_rank(spread, secret, rank, 3, model))
+    by_shard = spread.stats["by_shard"]
+    assert all(s["sparse"]["rows_pushed"] > 0 for s in by_shard)  # both hosts served rows
+    assert spread.stats["sparse"]["pushes"] == sum(s["sparse"]["pushes"] for s in by_shard)
+    assert spread.detach()
+    spread.new_generation()
+    hosts(3, generation=2).attach(spread, generation=2)
+    run_ranks(2, lambda rank: train_rank(spread, secret, rank, 6, model, generation=2))
+    assert spread.detach()
+
+    assert torch.equal(spread.parameters(), reference.parameters())
+    want, got = reference.state_dict()["sparse"], spread.state_dict()["sparse"]
+    for name in ("a", "b"):
+        ids = [torch.cat([s["ids"] for s in t[name]["shards"]]) for t in (want, got)]
+        rows = [torch.cat([s["rows"] for s in t[name]["shards"]]) for t in (want, got)]
+        order = [torch.argsort(i) for i in ids]
+        assert torch.equal(ids[0][order[0]], ids[1][order[1]])
+        assert torch.equal(rows[0][order[0]], rows[1][order[1]])
+    assert len(got["a"]["shards"]) == 3 * 2  # three hosts' parts of two row shards each, side by side
+    reference.close()
