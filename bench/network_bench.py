@@ -49,7 +49,14 @@ BACKENDS = {"ps sync": ["train.backend=ps", "ps.mode=sync"],
             "ps overlap": ["train.backend=ps", "ps.mode=sync", "ps.overlap=true", "ps.bucket_mb=1"],
             # issue 43: one server shard per worker host (ps.placement=hosts), the driver coordinating
             "ps hosts": ["train.backend=ps", "ps.mode=sync", "ps.placement=hosts"],
-            "ps hosts async": ["train.backend=ps", "ps.mode=async", "ps.placement=hosts"]}
+            "ps hosts async": ["train.backend=ps", "ps.mode=async", "ps.placement=hosts"],
+            # every mode and a compression, each beside its driver-hosted twin (ratios() pairs them up)
+            "ps ssp": ["train.backend=ps", "ps.mode=ssp", "ps.staleness=2"],
+            "ps hosts ssp": ["train.backend=ps", "ps.mode=ssp", "ps.staleness=2", "ps.placement=hosts"],
+            "ps average": ["train.backend=ps", "ps.mode=average", "ps.sync_every=1"],
+            "ps hosts average": ["train.backend=ps", "ps.mode=average", "ps.sync_every=1", "ps.placement=hosts"],
+            "ps hosts top-k 1%": ["train.backend=ps", "ps.mode=sync", "ps.compression=topk", "ps.topk_ratio=0.01",
+                                  "ps.placement=hosts"]}
 DEFAULT_BACKENDS = ["ps sync", "ps async", "allreduce", "ps tls", "ps top-k 1%", "ps hosts", "ps hosts async"]
 TOPK = 0.01
 UNSHAPED = "none"  # --rates none: the veth links as they are (no tbf), for the TLS cost without a rate limit
@@ -68,10 +75,14 @@ def predicted_link_bytes(backend: str, model_bytes: int, n: int) -> tuple[float,
     """(bytes up, bytes down) per step on one worker link, from docs/training.md's table: the PS takes a
     push up and sends a pull down (top-k: ratio x M entries of an int32 index + fp32 value up); a ring
     allreduce sends and receives 2M(N-1)/N each way (reduce-scatter, then all-gather)."""
-    if backend == "allreduce" or backend.startswith("ps hosts"):
-        # ring: reduce-scatter then all-gather. Shards on the hosts: a rank pushes the N-1 slices that are
-        # not its host's and pulls them back, while its host's shard takes N-1 slices in and sends N-1 out.
+    push = 2 * TOPK * model_bytes if "top-k" in backend else model_bytes
+    if backend == "allreduce":  # ring: reduce-scatter then all-gather
         each = 2 * model_bytes * (n - 1) / n
+        return each, each
+    if backend.startswith("ps hosts"):
+        # a rank pushes the N-1 slices that are not its host's and pulls them back, while its host's shard
+        # takes the other ranks' pushes of its slice in and sends their pulls out
+        each = (push + model_bytes) * (n - 1) / n
         return each, each
     if backend.startswith("ps top-k"):
         return 2 * TOPK * model_bytes, model_bytes
@@ -258,6 +269,10 @@ def ratios(rows: list[dict]) -> str:
             driver = by[(n, rate, model, "ps async")]
             lines.append(f"- N={n} {rate} {model}: async updates/s, shards on the hosts / on the driver: "
                          f"{ms(driver) / ms(r):.2f}")
+        twin = backend.replace("ps hosts", "ps", 1)
+        if backend.startswith("ps hosts ") and backend != "ps hosts async" and (n, rate, model, twin) in by:
+            lines.append(f"- N={n} {rate} {model}: {twin[3:]}, time a step, shards on the hosts / on the driver: "
+                         f"{ms(r) / ms(by[(n, rate, model, twin)]):.2f}")
     return ("\n" + "\n".join(lines) + "\n") if lines else ""
 
 

@@ -139,6 +139,12 @@ class DataConfig(_Section):
         if self.source in ("csv", "parquet", "table") and not self.path:
             what = "the table's name (catalog.schema.table, or a view)" if self.source == "table" else "the input"
             raise ValueError(f"data.path is required when data.source is {self.source!r}: {what}")
+        if self.source in _GENERATED and self.path and "://" in self.path and not self.path.startswith("file://"):
+            # A generated source is landed by this machine on its own disk; an object-store URL would be read
+            # as a local folder named "s3:".
+            raise ValueError(f"data.source={self.source!r} is generated on the driver's disk, so data.path must be "
+                             f"a local folder, got {self.path!r}: land it once, copy the folder to the object "
+                             "store, and train with data.source=parquet and data.path=<that URL>")
         if self.features is not None and self.label in self.feature_names:
             raise ValueError(f"data.features must not include the label column data.label={self.label!r}")
         if self.classes is not None and self.task != "classification":
@@ -146,6 +152,7 @@ class DataConfig(_Section):
         return self
 
 
+_GENERATED = ("digits", "digits_images", "synthetic", "clicks")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.config.schema import PipelineConfig
@@ -83,7 +84,14 @@ def with_trained_tables(cfg: PipelineConfig, spec: Any, server: Any) -> Any:
     if not tables:
         return spec
     rows = {name: _table_rows(table) for name, table in tables.items()}
-    directory = str(Workdir.of(cfg).models / "sparse_tables" / uuid.uuid4().hex[:12])
+    where = Workdir.of(cfg)
+    models = where.models
+    if isinstance(models, str):  # train.model_dir on an object store: executors memory-map tables from a disk
+        models = Path(where.path).absolute() / "models" / cfg.name
+        log.info("train.model_dir=%s is an object store; the sparse tables' rows are memory-mapped from a disk, "
+                 "so they go to %s (the executors need it: local Spark, or workdir_on_every_host)",
+                 cfg.train.model_dir, models)
+    directory = str(models / "sparse_tables" / uuid.uuid4().hex[:12])
     save_tables(rows, directory)
     log.info("sparse tables written to %s: %s", directory,
              ", ".join(f"{name} {len(ids)} rows" for name, (ids, _) in rows.items()))

@@ -128,6 +128,10 @@ def load_tables(model: nn.Module, directory: str) -> None:
     few thousand ids reads only their pages). A table missing there serves its initial rows."""
     import os
 
+    if not os.path.isdir(directory):  # never score with initial rows because the trained ones are elsewhere
+        raise FileNotFoundError(f"the trained sparse tables are in {directory}, which this process cannot see; "
+                                "run where that folder is (local Spark), or put workdir on a mount every host has "
+                                "and set workdir_on_every_host=true")
     for module in sparse_modules(model):
         path = os.path.join(directory, module.spec.name)
         if os.path.exists(os.path.join(path, "ids.npy")):

@@ -15,6 +15,9 @@ def test_the_predicted_bytes_are_the_design_tables(load_bench):
     # shards on the hosts: a ring's bytes on every worker link, none on the driver's
     assert bench.predicted_link_bytes("ps hosts", M, 3) == pytest.approx((4 * M / 3, 4 * M / 3))
     assert bench.predicted_driver_bytes("ps hosts", M, 3) == 0.0
+    # top-k on the hosts: the compressed pushes (2kM) and the full pulls of the slices that cross a link
+    assert bench.predicted_link_bytes("ps hosts top-k 1%", M, 2) == pytest.approx((0.51 * M, 0.51 * M))
+    assert bench.predicted_link_bytes("ps hosts ssp", M, 2) == bench.predicted_link_bytes("ps hosts", M, 2)
     assert bench.predicted_driver_bytes("ps sync", M, 3) == 6 * M  # N pushes in, N pulls out
 
 
@@ -34,7 +37,10 @@ def test_the_table_has_a_row_per_configuration_with_both_efficiencies(load_bench
              "predicted_driver": 0.0}
     ring = {**row, "backend": "allreduce", "step_ms": 49.0, "rank_step_ms": 49.0, "driver_bytes": 1e4,
             "predicted_driver": 0.0}
-    table = bench.markdown([row, hosts, ring])
+    ssp = {**row, "backend": "ps ssp", "rank_step_ms": 80.0}
+    hosts_ssp = {**row, "backend": "ps hosts ssp", "rank_step_ms": 60.0}
+    table = bench.markdown([row, hosts, ring, ssp, hosts_ssp])
+    assert "ssp, time a step, shards on the hosts / on the driver: 0.75" in table
     assert "| 2 | 1gbit | 4.5MB | ps sync | 95.6 / nan | 4.52/4.51 | 4.51/4.51 |  | 18.100 / 18.04 | 0.76 | 0.38 |" in table
     assert "shards on the hosts / allreduce, time a step: 1.02" in table
     assert "shards on the hosts / on the driver, time a step: 0.52" in table

@@ -20,9 +20,14 @@ from tests.cluster.testbed import REPO, Testbed, TestbedUnavailable, unavailable
 
 HOSTS = 3
 DIGITS = str(REPO / "conf" / "digits.yaml")
+CLICKS = str(REPO / "conf" / "clicks.yaml")
 JOB = str(REPO / "jobs" / "run_pipeline.py")
 # Small and quick, the same for the testbed and the one-host reference runs.
 DIGITS_OVERRIDES = ("train.epochs=8", "tracking.log_model=false", "tracking.system_metrics_interval_s=null")
+# The clicks example with its categorical tables as sparse rows on the PS, small enough for a minute.
+CLICKS_OVERRIDES = ("data.clicks.rows=20000", "data.clicks.vocab=2000", "data.clicks.big_vocab=20000",
+                    "model.hidden=[64]", "ps.sparse.min_rows=50", "tracking.log_model=false",
+                    "tracking.system_metrics_interval_s=null")
 
 
 _RUNNING: list[Testbed] = []
@@ -79,14 +84,15 @@ class ClusterRun:
     """One `spark-submit jobs/run_pipeline.py` on the testbed, its output in a log file read as it grows."""
 
     def __init__(self, bed: Testbed, folder: Path, overrides: Sequence[str], *, executors: int,
-                 conf: Sequence[str] = ()):
+                 conf: Sequence[str] = (), config: str = DIGITS):
         self.bed = bed
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = f"sqlite:///{folder}/mlflow.db"
         self.log_path = folder / "submit.log"
-        command = bed.submit_command(JOB, "--config", DIGITS, f"workdir={folder / 'work'}",
-                                     f"tracking.uri={self.tracking_uri}", *DIGITS_OVERRIDES, *overrides,
+        command = bed.submit_command(JOB, "--config", config, f"workdir={folder / 'work'}",
+                                     f"tracking.uri={self.tracking_uri}",
+                                     *(DIGITS_OVERRIDES if config == DIGITS else ()), *overrides,
                                      executors=executors, conf=conf)
         self._log = open(self.log_path, "wb")
         self.started = time.monotonic()
@@ -152,9 +158,10 @@ def cluster_run(testbed, tmp_path):
     """`cluster_run(overrides, executors=N)` starts a job (killed at the test's end if still running)."""
     runs: list[ClusterRun] = []
 
-    def start(overrides: Sequence[str], *, executors: int, name: str = "run", conf: Sequence[str] = ()) -> ClusterRun:
+    def start(overrides: Sequence[str], *, executors: int, name: str = "run", conf: Sequence[str] = (),
+              config: str = DIGITS) -> ClusterRun:
         run = ClusterRun(testbed, tmp_path / name, [*shared_paths(testbed, f"{tmp_path.name}-{name}"), *overrides],
-                         executors=executors, conf=conf)
+                         executors=executors, conf=conf, config=config)
         runs.append(run)
         return run
 
@@ -168,9 +175,9 @@ import json, sys
 from pipeline import steps
 from pipeline.config import load
 from pipeline.session import get_or_create_spark
-config, workdir, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+workdir, cases = sys.argv[1], json.loads(sys.argv[2])
 out = {}
-for name, overrides in cases.items():
+for name, (config, overrides) in cases.items():
     cfg = load(config, [f"workdir={workdir}/{name}", f"tracking.uri=sqlite:///{workdir}/{name}/mlflow.db", *overrides])
     out[name] = steps.run_all(get_or_create_spark(cfg.spark), cfg).test_metrics
 print("REFERENCE " + json.dumps(out))
@@ -178,23 +185,37 @@ print("REFERENCE " + json.dumps(out))
 
 
 @pytest.fixture(scope="session")
-def one_host_accuracy(testbed, tmp_path_factory):
-    """`one_host_accuracy(workers, backend)`: the test accuracy of the same digits config run on one host
-    (spark-submit --master local[3], the driver's disk): every case in one JVM, computed once."""
-    folder = tmp_path_factory.mktemp("one-host")
+def reference_dir(tmp_path_factory):
+    """The one-host reference runs' folder; the clicks they generate land in its clicks-raw/."""
+    return tmp_path_factory.mktemp("one-host")
+
+
+@pytest.fixture(scope="session")
+def one_host_metrics(testbed, reference_dir):
+    """{case: test metrics} of the same configs run on one host (spark-submit --master local[3], the driver's
+    disk, the driver-hosted PS): every case in one JVM, computed once. Cases: "<workers>-<backend>" of the
+    digits, and "clicks-2" (the clicks with sparse tables, 2 workers, generated into clicks-raw/)."""
+    folder = reference_dir
     from pipeline.etl.digits import land_digits
 
     raw = land_digits(folder / "raw")  # the same Parquet the testbed's runs read from S3
-    cases = {f"{n}-{backend}": [*DIGITS_OVERRIDES, "data.source=parquet", f"data.path={raw}", f"parallelism.data={n}",
-                                f"train.backend={backend}"] for n in (2, 3) for backend in ("ps", "allreduce")}
+    cases = {f"{n}-{backend}": (DIGITS, [*DIGITS_OVERRIDES, "data.source=parquet", f"data.path={raw}",
+                                         f"parallelism.data={n}", f"train.backend={backend}"])
+             for n in (2, 3) for backend in ("ps", "allreduce")}
+    cases["clicks-2"] = (CLICKS, [*CLICKS_OVERRIDES, "parallelism.data=2", f"data.path={folder / 'clicks-raw'}"])
     script = folder / "reference.py"
     script.write_text(REFERENCE)
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
            "SPARK_LOCAL_IP": "127.0.0.1", "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "spark-submit"), "--master", "local[3]",
                            "--conf", "spark.ui.enabled=false", "--conf", "spark.driver.host=127.0.0.1", str(script),
-                           DIGITS, str(folder), json.dumps(cases)], capture_output=True, text=True, timeout=600,
+                           str(folder), json.dumps(cases)], capture_output=True, text=True, timeout=600,
                           cwd=folder, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    found = json.loads(proc.stdout.split("REFERENCE ", 1)[1].splitlines()[0])
-    return lambda workers, backend: found[f"{workers}-{backend}"]["accuracy"]
+    return json.loads(proc.stdout.split("REFERENCE ", 1)[1].splitlines()[0])
+
+
+@pytest.fixture(scope="session")
+def one_host_accuracy(one_host_metrics):
+    """`one_host_accuracy(workers, backend)`: the digits' test accuracy on one host (``one_host_metrics``)."""
+    return lambda workers, backend: one_host_metrics[f"{workers}-{backend}"]["accuracy"]

@@ -141,5 +141,10 @@ class HostsPS(DriverPS):
 
     def outcome(self, rows: list[dict]):
         outcome = super().outcome(rows)
-        log.info("parameter-server shards were on %s", ", ".join(self.server.hosts) or "no host")
+        server = self.server
+        log.info("parameter-server shards were on %s", ", ".join(server.hosts) or "no host")
+        by_shard = server.stats.get("by_shard") or [server.stats]
+        if self.sparse_spec is not None and len(by_shard) == len(server.hosts):
+            rows = [sum(t["rows"] for t in s.get("sparse", {}).get("tables", {}).values()) for s in by_shard]
+            log.info("sparse table rows per shard: %s", ", ".join(f"{h} {n}" for h, n in zip(server.hosts, rows)))
         return outcome

@@ -181,6 +181,7 @@ def test_explicit_invalid_values_name_the_key(override, key):
     (["data.split.train=0.5"], "data.split", "sum to 1"),
     (["data.split.train=0.6", "data.split.validation=0.3", "data.split.test=0.2"], "data.split", "sum to 1"),
     (["data.source=parquet"], "data.path", "required"),
+    (["data.source=clicks", "data.path=s3://bucket/raw"], "data.path", "data.source=parquet and data.path=<that URL>"),
     (["data.features=[pixel_00, label]"], "data.features", "label"),
     (["data.features=[]"], "data.features", "at least one"),
     (["data.features=[pixel_00, pixel_00]"], "data.features", "more than once"),

@@ -3,6 +3,7 @@ rows (saved, else the seeded initial row), table files, and the frozen form the 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 
@@ -37,6 +38,12 @@ def test_local_rows_serve_saved_rows_and_the_initial_row_for_unknown_ids(tmp_pat
     assert out[:2].tolist() == [[2, 2], [1, 1]]
     assert torch.equal(out[2], torch.from_numpy(a.spec.initial_rows(np.array([9]))[0]))
     assert torch.equal(b(torch.tensor([4])), torch.from_numpy(b.spec.initial_rows(np.array([4]))))  # no file: init
+
+
+def test_a_tables_folder_this_process_cannot_see_is_an_error_not_initial_rows(tmp_path):
+    model = nn.Sequential(ShardlineEmbedding("a", 0, 2))
+    with pytest.raises(FileNotFoundError, match="workdir_on_every_host=true"):
+        load_tables(model, str(tmp_path / "on-another-host"))
 
 
 def test_frozen_tables_match_local_lookups_and_export(tmp_path):
