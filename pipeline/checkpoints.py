@@ -7,6 +7,12 @@ copy) the file is written under its final name directly: a PUT (multipart or not
 whole, on close, which is the atomicity the rename gives locally; the digest is still committed first. Files are torch.save'd dicts of tensors and plain
 values and are loaded with weights_only=True: a checkpoint can never run code.
 
+A checkpoint may be a *set* (``ps.placement: hosts``): each server shard wrote its own part as
+`parts/<token>-shard-<i>-of-<K>.pt` (``pipeline.ps.state.part_file``), and the checkpoint file records the
+parts' SHA-256 digests and versions instead of the parameters. ``load`` verifies each part against its
+recorded digest before unpickling it and merges them (``merge_parts``, given by whoever opens the store),
+so a set loads as the same state a single file holds; parts move and are pruned with their checkpoint.
+
 Each checkpoint has a digest file next to it, `ckpt-<step>.pt.sha256`, committed before the checkpoint
 itself and checked before a byte is unpickled: HMAC-SHA256 of the file under `$SHARDLINE_ARTIFACT_KEY`
 when set (tampering needs the key), else SHA-256 (catches corruption and partial copies). What model a
@@ -59,13 +65,19 @@ class CheckpointInfo:
 
 
 class CheckpointStore:
-    """Save, list, load and prune the checkpoints of one run in `directory`."""
+    """Save, list, load and prune the checkpoints of one run in `directory`. ``merge_parts(parts, record)``:
+    the PS state of a checkpoint set from its loaded parts (in shard order) and its ``ps`` record."""
 
-    def __init__(self, directory: str, keep: int = 3):
+    def __init__(self, directory: str, keep: int = 3,
+                 merge_parts: Optional[Callable[[list, dict], dict]] = None):
         from fsspec.core import url_to_fs
 
-        self.directory = directory.rstrip("/")
+        directory = directory.rstrip("/")
+        # Shards on other hosts (and other working directories) write the parts: a local path is made absolute.
+        self.directory = directory if "://" in directory or directory.startswith("dbfs:") else os.path.abspath(directory)
         self.keep = keep
+        self._merge_parts = merge_parts
+        self._part_files: dict[str, list[str]] = {}  # checkpoint path -> the part files it names
         self._fs, self._root = url_to_fs(self.directory)
         # Object stores publish an object atomically when its write completes; local and mounted
         # filesystems need the temporary name + rename.
@@ -98,11 +110,31 @@ class CheckpointStore:
             self._move(info.path, archive)
         return len(found)
 
+    @property
+    def parts_directory(self) -> str:
+        """Where the server shards write the parts of a checkpoint set (a local path or a URL, as given)."""
+        return f"{self.directory}/parts"
+
+    def _parts_of(self, path: str) -> list[str]:
+        """The part files the checkpoint at ``path`` names (none for a single-file checkpoint)."""
+        if path not in self._part_files:
+            try:
+                state = self._read(CheckpointInfo(path, 0))
+                self._part_files[path] = [p["file"] for p in (state.get("ps") or {}).get("parts") or ()]
+            except Exception:  # unreadable: it names nothing this store could keep for it
+                self._part_files[path] = []
+        return self._part_files[path]
+
     def _move(self, path: str, folder: str) -> None:
-        """A checkpoint and its digest into ``folder``."""
+        """A checkpoint, its digest and its parts into ``folder``."""
+        for name in self._parts_of(path):
+            self._fs.makedirs(f"{folder}/parts", exist_ok=True)
+            if self._fs.exists(f"{self._root}/parts/{name}"):
+                self._fs.mv(f"{self._root}/parts/{name}", f"{folder}/parts/{name}")
         self._fs.mv(path, f"{folder}/{path.rsplit('/', 1)[-1]}")
         if self._fs.exists(path + DIGEST_SUFFIX):
             self._fs.mv(path + DIGEST_SUFFIX, f"{folder}/{path.rsplit('/', 1)[-1]}{DIGEST_SUFFIX}")
+        self._part_files.pop(path, None)
 
     def set_aside_after(self, step: int, folder: str = "after_best") -> int:
         """Move checkpoints past ``step`` into ``folder/`` (early stopping / the divergence guard keep an
@@ -142,14 +174,58 @@ class CheckpointStore:
             with self._fs.open(temporary, "wb") as out:
                 out.write(data)
             self._fs.mv(temporary, final)
+        self._part_files[final] = [p["file"] for p in (state.get("ps") or {}).get("parts") or ()]
         for old in self.list()[:-self.keep]:
+            self._part_files.pop(old.path, None)
             self._fs.rm(old.path)
             if self._fs.exists(old.path + DIGEST_SUFFIX):
                 self._fs.rm(old.path + DIGEST_SUFFIX)
+        self._collect_parts()
         log.debug("checkpoint at step %d: %s (%d bytes)", step, final, buffer.tell())
         return CheckpointInfo(final, step)
 
+    def _collect_parts(self) -> None:
+        """Delete the part files no kept checkpoint names (pruned ones, and those of a snapshot that was
+        never committed: a retaken write, a failed save)."""
+        folder = f"{self._root}/parts"
+        if not self._fs.exists(folder):
+            return
+        named = {name for info in self.list() for name in self._parts_of(info.path)}
+        for path in self._fs.ls(folder, detail=False):
+            if str(path).rsplit("/", 1)[-1] not in named:
+                self._fs.rm(path)
+
     def load(self, info: CheckpointInfo) -> dict[str, Any]:
+        """The checkpoint's state; a set's parts are read and merged when the store was opened with
+        ``merge_parts`` (without it, ``ps`` stays the record naming the parts: enough for its metadata)."""
+        state = self._read(info)
+        record = state.get("ps")
+        if isinstance(record, dict) and record.get("parts") and self._merge_parts is not None:
+            state = {**state, "ps": self._load_parts(info, record)}
+        return state
+
+    def _load_parts(self, info: CheckpointInfo, record: dict) -> dict[str, Any]:
+        """The PS state of a checkpoint set: each part verified against the digest the checkpoint records."""
+        import torch
+
+        folder = info.path.rsplit("/", 1)[0] + "/parts"
+        parts = []
+        for part in record["parts"]:
+            path = f"{folder}/{part['file']}"
+            try:
+                with self._fs.open(path, "rb") as f:
+                    raw = f.read()
+            except FileNotFoundError:
+                raise ConfigError(f"checkpoint {info.path} names the part {path}, which is missing: delete the "
+                                  "checkpoint to resume from the one before, or start without --resume") from None
+            if not hmac.compare_digest("sha256:" + hashlib.sha256(raw).hexdigest(), str(part["digest"])):
+                raise ConfigError(f"checkpoint part {path} does not match the digest its checkpoint {info.path} "
+                                  "records: corrupt or tampered with; delete the checkpoint to resume from the one "
+                                  "before, or start without --resume")
+            parts.append(torch.load(io.BytesIO(raw), weights_only=True))
+        return self._merge_parts(parts, {k: v for k, v in record.items() if k != "parts"})
+
+    def _read(self, info: CheckpointInfo) -> dict[str, Any]:
         import torch
 
         with self._fs.open(info.path, "rb") as f:

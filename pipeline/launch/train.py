@@ -66,6 +66,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     import torch
 
     from pipeline.checkpoints import CheckpointMeta, CheckpointStore
+    from pipeline.ps.server.parameter_server import merge_checkpoint_parts
     from pipeline.models.state import flat_buffers, join_state
     from pipeline.ps.modes.consistency import expected_version
 
@@ -79,7 +80,8 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
                       task=manifest.task, labels=manifest.label_mapping, target_scale=_target_scale(cfg, manifest),
                       sparse=cfg.ps.sparse.model_options(cfg.train.seed))
-    store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints)
+    store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints,
+                            merge_parts=merge_checkpoint_parts)  # ps.placement=hosts: sets of shard parts
     allreduce = cfg.train.backend == "allreduce"
     resumed = latest = None
     if resume:

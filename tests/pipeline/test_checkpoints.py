@@ -1,7 +1,9 @@
 """CheckpointStore: atomic saves, pruning, and keeping an earlier run's checkpoints out of this run's way."""
+import pytest
 import torch
 
 from pipeline.checkpoints import CheckpointStore
+from pipeline.errors import ConfigError
 
 
 def _save(store, step):
@@ -179,3 +181,49 @@ def test_requested_checkpoints_are_info_lines_and_a_disabled_checkpointer_never_
     off.poll()
     off.save("end of training")
     assert off.saved == []
+
+
+def _merge(parts, record):
+    return {"params": torch.cat([p["params"] for p in parts]), **record}
+
+
+def _save_set(store, step, token):
+    """A checkpoint set as ps.placement=hosts writes it: each shard its part, then the record naming them."""
+    from pipeline.ps.state.part_file import write_part
+
+    parts = [write_part({"version": step, "params": torch.full((2,), float(step + i)), "clocks": {}},
+                        store.parts_directory, f"{token}-shard-{i}-of-2.pt") for i in range(2)]
+    return store.save({"step": step, "ps": {"version": step, "parts": [
+        {k: p[k] for k in ("file", "digest", "bytes", "version")} for p in parts]}})
+
+
+def test_a_set_of_shard_parts_loads_merged_and_its_parts_go_with_it(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"), keep=2, merge_parts=_merge)
+    for step, token in ((1, "a"), (2, "b"), (3, "c")):
+        _save_set(store, step, token)
+    (tmp_path / "ckpt" / "parts" / "orphan-shard-0-of-2.pt").write_bytes(b"a retaken write's leftover")
+    _save_set(store, 4, "d")
+    assert store.load(store.latest())["ps"]["params"].tolist() == [4.0, 4.0, 5.0, 5.0]
+    # pruned with their checkpoints, and what no checkpoint names is collected
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "parts").iterdir()) == [
+        f"{t}-shard-{i}-of-2.pt" for t in "cd" for i in range(2)]
+    # without a merge the record is enough for the metadata (no part is read)
+    assert "parts" in CheckpointStore(str(tmp_path / "ckpt")).load(store.latest())["ps"]
+
+    assert store.archive_previous() == 2  # the parts move with their checkpoint
+    previous = CheckpointStore(str(tmp_path / "ckpt" / "previous"), merge_parts=_merge)
+    assert previous.load(previous.latest())["ps"]["params"].tolist() == [4.0, 4.0, 5.0, 5.0]
+
+
+def test_a_missing_or_altered_part_is_refused_naming_it_before_it_is_unpickled(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"), merge_parts=_merge)
+    info = _save_set(store, 7, "t")
+    part = tmp_path / "ckpt" / "parts" / "t-shard-1-of-2.pt"
+    data = bytearray(part.read_bytes())
+    data[-9] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"t-shard-1-of-2\.pt does not match the digest"):
+        store.load(info)
+    part.unlink()
+    with pytest.raises(ConfigError, match=r"names the part .*t-shard-1-of-2\.pt, which is missing"):
+        store.load(info)

@@ -33,6 +33,8 @@ ADOPTER_POLL_S = 0.2
 # The largest control message: a slice's parameters, optimizer state (Adam: two more) and the buffers.
 STATE_WORDS_PER_PARAM = 4
 CONTROL_SLACK_BYTES = 64 << 20
+# The shards' writes of a checkpoint set's parts: at least this long (a slice to an object store).
+PART_WRITE_S = 60.0
 
 
 class ShardAdopter:
@@ -100,12 +102,35 @@ class HostsPS(DriverPS):
 
         from pipeline.launch.sparse_tables import sparse_spec
 
+        from pipeline.launch.placement.ps_address import local_master
+        from pipeline.storage import is_remote
+
         run, cfg = self.run, self.run.cfg
         self.sparse_spec = sparse_spec(cfg, run.spec)  # ps.sparse: each host's shard keeps its part of the rows
+        # Checkpoints as sets of parts the shards write themselves, wherever every host reaches the store.
+        self.shards_write = is_remote(run.store.directory) or cfg.workdir_on_every_host or local_master(run.spark)
+        log.info("checkpoints: %s", "each shard writes its part to %s" % run.store.parts_directory
+                 if self.shards_write else "taken by the driver from the shards (train.checkpoint_dir is a local "
+                 "path the hosts do not share)")
         log.info("ps.placement=hosts: one parameter-server shard per worker host, this process coordinating")
         return SpreadServer(run.initial, settings, world_size=cfg.parallelism.tasks, secret=self._secret,
                             on_metrics=run.progress, buffers=run.buffer_store(), tls=self._tls,
                             sparse=self.sparse_spec)
+
+    def _snapshot(self) -> dict:
+        """A checkpoint whose PS state is a set of parts the shards wrote (``SpreadServer.write_parts``)."""
+        if not self.shards_write:
+            return super()._snapshot()
+        import uuid
+
+        from pipeline.launch.ps_side.snapshot import take_snapshot
+
+        meta, store, server = self.run.checkpoint_meta, self.run.store, self.server
+        timeout = max(PART_WRITE_S, deadlines(self.run.cfg).step.seconds)
+        token = uuid.uuid4().hex[:12]
+        parts = _PartsWriter(lambda: server.write_parts(store.parts_directory, token, timeout))
+        return take_snapshot(parts, self.run.progress, server.consistency, meta.steps_per_epoch, meta.epochs,
+                             **meta.record())
 
     @property
     def keeps_sparse_tables(self) -> bool:
@@ -148,3 +173,10 @@ class HostsPS(DriverPS):
             rows = [sum(t["rows"] for t in s.get("sparse", {}).get("tables", {}).values()) for s in by_shard]
             log.info("sparse table rows per shard: %s", ", ".join(f"{h} {n}" for h, n in zip(server.hosts, rows)))
         return outcome
+
+
+class _PartsWriter:
+    """The server as ``take_snapshot`` sees it, whose state is the record of the parts its shards wrote."""
+
+    def __init__(self, write) -> None:
+        self.state_dict = write

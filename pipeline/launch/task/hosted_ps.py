@@ -89,7 +89,9 @@ class HostedPS:
         from pipeline.ps import ParameterServer
 
         spec = self.spec
-        store = CheckpointStore(spec.checkpoint_dir, spec.keep_checkpoints)
+        from pipeline.ps.server.parameter_server import merge_checkpoint_parts
+
+        store = CheckpointStore(spec.checkpoint_dir, spec.keep_checkpoints, merge_parts=merge_checkpoint_parts)
         state = store.load(CheckpointInfo(spec.resume_path, -1)) if spec.resume_path else None
         if spec.warm_start is not None:
             initial = torch.frombuffer(bytearray(spec.warm_start), dtype=torch.float32)

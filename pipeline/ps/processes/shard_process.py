@@ -101,6 +101,10 @@ def _handle(hosted: Hosted, shard: Any, buffers: Any, op: str, args: tuple) -> A
         return getattr(buffers, args[0])(*args[1:])
     if op == "buffers" and buffers is not None and args == ("forwarded",):
         return buffers.forwarded
+    if op == "write_part" and len(args) == 2 and all(isinstance(a, str) for a in args):
+        from pipeline.ps.state.part_file import write_part  # a checkpoint set's part, written by this shard
+
+        return write_part(shard.state_dict(), *args)
     if op == "cpu":  # this process's CPU seconds (user + system, every thread): the bench's per-update cost
         return time.process_time()
     raise ValueError(f"the shard process does not answer {op!r} {args[:1]!r}")

@@ -221,6 +221,10 @@ class ShardProxy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._call("call", "load_state_dict", state)
 
+    def write_part(self, directory: str, name: str, timeout: float | None = None) -> dict[str, Any]:
+        """The process writes its state as a checkpoint part itself (``pipeline.ps.state.part_file``)."""
+        return self._call("write_part", directory, name, timeout=timeout)
+
     def parameters(self) -> Any:
         return self._call("call", "parameters")
 

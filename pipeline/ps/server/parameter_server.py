@@ -342,15 +342,22 @@ class ParameterServer:
         states = self._group.consistent_states(lambda s: s.state_dict(), timeout_s,
                                                must_agree=self.consistency.mode in _LOCKSTEP_MODES)
         buffers = {} if self._buffers is None else {"buffers": self._buffers.merged()}
-        if len(states) == 1:
-            return {**states[0], **buffers}
-        return {**buffers, "version": min(st["version"] for st in states),
-                "params": torch.cat([st["params"] for st in states]),
-                "optimizer": _merge_optimizer_states([st["optimizer"] for st in states],
-                                                     [end - start for start, end in self._ranges]),
-                "optimizer_spec": states[0]["optimizer_spec"], "clocks": states[0]["clocks"],
-                "steps_applied_by_rank": states[0]["steps_applied_by_rank"],
-                **_merged_tables(states)}
+        return {**merge_shard_states(states), **buffers}
+
+    def write_parts(self, directory: str, token: str, timeout_s: float) -> dict[str, Any]:
+        """ps.placement=hosts: every shard writes its state to ``<directory>/<token>-shard-<i>-of-<K>.pt``
+        itself; returns the checkpoint's ``ps`` record naming the parts and their digests (no parameter
+        bytes come to this process). Retaken, like ``state_dict``, until every shard is at one version."""
+        index = {id(s): i for i, s in enumerate(self._shards)}
+        count = len(self._shards)
+        written = self._group.consistent_states(
+            lambda s: s.write_part(directory, f"{token}-shard-{index[id(s)]}-of-{count}.pt", timeout=timeout_s),
+            timeout_s, must_agree=self.consistency.mode in _LOCKSTEP_MODES)
+        first = written[0]
+        buffers = {} if self._buffers is None else {"buffers": self._buffers.merged()}
+        return {**buffers, "version": min(p["version"] for p in written), "clocks": first["clocks"],
+                "steps_applied_by_rank": first["steps_applied_by_rank"], "optimizer_spec": first["optimizer_spec"],
+                "parts": [{k: p[k] for k in ("file", "digest", "bytes", "version")} for p in written]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.revive():
@@ -374,6 +381,28 @@ class ParameterServer:
                                    "optimizer": _slice_optimizer_state(state["optimizer"], self._num_params,
                                                                        start, end),
                                    **({"sparse": parts[i]} if parts is not None else {})})
+
+
+def merge_shard_states(states: list[dict]) -> dict[str, Any]:
+    """One state from the shards' ``state_dict()``s, in shard order: parameters and per-parameter optimizer
+    tensors concatenated (a checkpoint does not depend on the shard count), the sparse tables' parts side by
+    side, the per-rank records of shard 0 (every shard keeps them alike)."""
+    if len(states) == 1:
+        return dict(states[0])
+    return {"version": min(st["version"] for st in states), "params": torch.cat([st["params"] for st in states]),
+            "optimizer": _merge_optimizer_states([st["optimizer"] for st in states],
+                                                 [st["params"].numel() for st in states]),
+            "optimizer_spec": states[0]["optimizer_spec"], "clocks": states[0]["clocks"],
+            "steps_applied_by_rank": states[0]["steps_applied_by_rank"], **_merged_tables(states)}
+
+
+def merge_checkpoint_parts(parts: list[dict], record: dict) -> dict[str, Any]:
+    """The PS state of a checkpoint set (``pipeline.checkpoints``): its shards' parts merged, with the record."""
+    for i, part in enumerate(parts):
+        if part.get("part_format") != 1:
+            raise PSError(f"checkpoint part {i} has format {part.get('part_format')}, this shardline reads 1")
+    merged = merge_shard_states([{k: v for k, v in p.items() if k not in ("part_format", "saved_at")} for p in parts])
+    return {**merged, **record}
 
 
 def _merged_tables(states: list[dict]) -> dict:

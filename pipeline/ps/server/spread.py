@@ -186,6 +186,15 @@ class SpreadServer:
             return {"version": 0, "params": self._initial.clone(), **self._initial_buffers()}
         return state
 
+    def write_parts(self, directory: str, token: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Attached: each host's shard writes its part of a checkpoint set (``ParameterServer.write_parts``);
+        detached: the kept state itself (nothing runs that could write a part, and the driver holds it)."""
+        with self._lock:
+            inner = self._inner
+        if inner is not None:
+            return inner.write_parts(directory, token, timeout_s)
+        return self.state_dict(timeout_s)
+
     def _initial_buffers(self) -> dict:
         return {} if self._buffer_store is None else {"buffers": self._buffer_store.merged()}
 

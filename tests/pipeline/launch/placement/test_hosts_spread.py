@@ -53,6 +53,13 @@ def test_a_checkpoint_resumes_across_placements_both_ways(spark, digits, first, 
                            faults={"fail_rank": 1, "fail_step": steps // 2})
     with pytest.raises(WorkerTrainingFailedError, match="injected failure on rank 1"):
         train(spark, failing, manifest)
+    if first == "hosts":  # the shards wrote their parts themselves; the checkpoint file names them
+        from pipeline.checkpoints import CheckpointStore
+        from pipeline.config.workdir import Workdir
+
+        store = CheckpointStore(Workdir.of(failing).checkpoints)
+        record = store.load(store.latest())["ps"]
+        assert len(record["parts"]) == 1 and "params" not in record, record
     resumed = train(spark, with_changes(failing, ps={"placement": then}, faults={"fail_rank": None}), manifest,
                     resume=True)
     assert 0 < resumed.resumed_from_step <= steps // 2

@@ -300,3 +300,27 @@ def test_sparse_tables_spread_over_two_hosts_train_like_the_driver_store_and_mov
         assert torch.equal(rows[0][order[0]], rows[1][order[1]])
     assert len(got["a"]["shards"]) == 3 * 2  # three hosts' parts of two row shards each, side by side
     reference.close()
+
+
+def test_each_host_shard_writes_its_checkpoint_part_and_the_set_loads_as_the_state(hosts, secret, tmp_path):
+    """Checkpoints as sets: every host's process writes its slice itself, the driver commits the record
+    naming the parts and their digests, and the set loads as the state the driver would have pulled."""
+    from pipeline.checkpoints import CheckpointStore
+    from pipeline.ps.server.parameter_server import merge_checkpoint_parts
+
+    torch.manual_seed(3)
+    initial = torch.randn(N)
+    spread = SpreadServer(initial, _settings(), world_size=2, secret=secret, buffers=_buffers())
+    hosts(2).attach(spread)
+    _train(spread.address, secret, [[torch.randn(N) for _ in range(2)] for _ in range(3)])
+    store = CheckpointStore(str(tmp_path / "ckpt"), merge_parts=merge_checkpoint_parts)
+    record = spread.write_parts(store.parts_directory, "tok", timeout_s=20.0)
+    assert [p["file"] for p in record["parts"]] == ["tok-shard-0-of-2.pt", "tok-shard-1-of-2.pt"]
+    assert "params" not in record and record["version"] == 3  # no parameter bytes came to the driver
+    info = store.save({"step": record["version"], "ps": record})
+    loaded, direct = store.load(info)["ps"], spread.state_dict()
+    assert torch.equal(loaded["params"], direct["params"])
+    momentum = [s["optimizer"]["state"][0]["momentum_buffer"] for s in (loaded, direct)]
+    assert torch.equal(*momentum)
+    assert torch.equal(loaded["buffers"], direct["buffers"]) and loaded["version"] == direct["version"]
+    assert spread.detach()
