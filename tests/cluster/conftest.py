@@ -185,24 +185,17 @@ print("REFERENCE " + json.dumps(out))
 
 
 @pytest.fixture(scope="session")
-def reference_dir(tmp_path_factory):
-    """The one-host reference runs' folder; the clicks they generate land in its clicks-raw/."""
-    return tmp_path_factory.mktemp("one-host")
-
-
-@pytest.fixture(scope="session")
-def one_host_metrics(testbed, reference_dir):
+def one_host_metrics(testbed, tmp_path_factory):
     """{case: test metrics} of the same configs run on one host (spark-submit --master local[3], the driver's
     disk, the driver-hosted PS): every case in one JVM, computed once. Cases: "<workers>-<backend>" of the
-    digits, and "clicks-2" (the clicks with sparse tables, 2 workers, generated into clicks-raw/)."""
-    folder = reference_dir
+    digits."""
+    folder = tmp_path_factory.mktemp("one-host")
     from pipeline.etl.digits import land_digits
 
     raw = land_digits(folder / "raw")  # the same Parquet the testbed's runs read from S3
     cases = {f"{n}-{backend}": (DIGITS, [*DIGITS_OVERRIDES, "data.source=parquet", f"data.path={raw}",
                                          f"parallelism.data={n}", f"train.backend={backend}"])
              for n in (2, 3) for backend in ("ps", "allreduce")}
-    cases["clicks-2"] = (CLICKS, [*CLICKS_OVERRIDES, "parallelism.data=2", f"data.path={folder / 'clicks-raw'}"])
     script = folder / "reference.py"
     script.write_text(REFERENCE)
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,

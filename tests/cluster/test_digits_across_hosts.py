@@ -49,7 +49,8 @@ def test_digits_trains_across_hosts_as_on_one(testbed, cluster_run, one_host_acc
 
 
 def test_a_local_workdir_on_a_multi_host_cluster_is_refused_at_once(testbed, cluster_run):
-    run = cluster_run(["parallelism.data=2", "data.source=digits", "data.shards_dir=null"], executors=2)
+    run = cluster_run(["parallelism.data=2", "data.source=digits", "data.path=null", "data.shards_dir=null"],
+                      executors=2)
     assert run.finish() != 0
     output = run.output
     assert "workdir" in output and "point at local paths" in output, output[-4000:]

@@ -22,7 +22,7 @@ def digits(spark, tmp_path_factory):
     work = tmp_path_factory.mktemp("hosts_ps")
     cfg = build({"name": "hosts-ps", "workdir": str(work), "parallelism": {"data": 2}, "data": {"source": "digits"},
                  "model": {"hidden": [64]},
-                 "train": {"epochs": 4, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
+                 "train": {"epochs": 4, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "profile": True},
                  "ps": {"placement": "hosts", "timeout_s": 20}})
     return cfg, run_etl(spark, cfg)
 
@@ -40,6 +40,8 @@ def test_hosts_placement_trains_exactly_like_the_driver_placement(spark, digits)
     # The shard ran in a process of its own (started by rank 0's task), not in this driver.
     assert spread.ps_stats["pid"] != os.getpid()
     assert "pid" not in driver.ps_stats
+    # train.profile: the shard's own reduce and optimizer times reach the epoch rows, as on the driver
+    assert all(r["ps/updates"] > 0 and r["ps/reduce_ms"] > 0 for r in spread.history), spread.history[-1]
 
 
 @pytest.mark.parametrize("first, then", [("hosts", "driver"), ("driver", "hosts")])
