@@ -58,6 +58,19 @@ def _renames(fs) -> bool:
     return bool(protocols & {"file", "local", "hdfs", "viewfs", "dbfs"})
 
 
+_PART_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def part_names(state: dict[str, Any], path: str) -> list[str]:
+    """The part files a checkpoint's ``ps`` record names, each a plain file name (never a path out of
+    ``parts/``: the names come from a file anyone who can write the folder could have written)."""
+    names = [str(p.get("file", "")) for p in (state.get("ps") or {}).get("parts") or ()]
+    for name in names:
+        if not _PART_NAME.fullmatch(name) or ".." in name:
+            raise ConfigError(f"checkpoint {path} names a part {name!r} that is not a plain file name; refusing it")
+    return names
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     path: str
@@ -115,19 +128,34 @@ class CheckpointStore:
         """Where the server shards write the parts of a checkpoint set (a local path or a URL, as given)."""
         return f"{self.directory}/parts"
 
-    def _parts_of(self, path: str) -> list[str]:
-        """The part files the checkpoint at ``path`` names (none for a single-file checkpoint)."""
-        if path not in self._part_files:
-            try:
-                state = self._read(CheckpointInfo(path, 0))
-                self._part_files[path] = [p["file"] for p in (state.get("ps") or {}).get("parts") or ()]
-            except Exception:  # unreadable: it names nothing this store could keep for it
-                self._part_files[path] = []
-        return self._part_files[path]
+    def _parts_of(self, path: str) -> Optional[list[str]]:
+        """The part files the checkpoint at ``path`` names: none for a single file (and nothing is read
+        while no part was ever written here), None when it cannot be read (its parts, if any, are left)."""
+        if path in self._part_files:
+            return self._part_files[path]
+        if not self._fs.exists(f"{self._root}/parts"):
+            return []
+        try:
+            names = part_names(self._read(CheckpointInfo(path, 0)), path)
+        except Exception:  # unreadable (another key, a broken read): never guess that it names nothing
+            log.warning("could not read checkpoint %s to find its parts; they stay where they are", path,
+                        exc_info=True)
+            return None
+        self._part_files[path] = names
+        return names
+
+    def discard_parts(self, prefix: str) -> None:
+        """Delete the parts whose names start with ``prefix`` (a snapshot that was never committed)."""
+        folder = f"{self._root}/parts"
+        self._fs.invalidate_cache(folder)
+        if self._fs.exists(folder):
+            for path in self._fs.ls(folder, detail=False):
+                if str(path).rsplit("/", 1)[-1].startswith(prefix):
+                    self._fs.rm(path)
 
     def _move(self, path: str, folder: str) -> None:
         """A checkpoint, its digest and its parts into ``folder``."""
-        for name in self._parts_of(path):
+        for name in self._parts_of(path) or ():
             self._fs.makedirs(f"{folder}/parts", exist_ok=True)
             if self._fs.exists(f"{self._root}/parts/{name}"):
                 self._fs.mv(f"{self._root}/parts/{name}", f"{folder}/parts/{name}")
@@ -155,6 +183,7 @@ class CheckpointStore:
         import torch
 
         step = int(state["step"])
+        names = part_names(state, f"ckpt-{step:012d}.pt")  # a set names plain files in parts/, or nothing
         buffer = io.BytesIO()
         torch.save({**state, "format": FORMAT, "saved_at": time.time()}, buffer)
         self._fs.makedirs(self._root, exist_ok=True)
@@ -174,33 +203,25 @@ class CheckpointStore:
             with self._fs.open(temporary, "wb") as out:
                 out.write(data)
             self._fs.mv(temporary, final)
-        self._part_files[final] = [p["file"] for p in (state.get("ps") or {}).get("parts") or ()]
+        self._part_files[final] = names
         for old in self.list()[:-self.keep]:
+            for name in self._parts_of(old.path) or ():  # an unreadable one's parts are left, not guessed at
+                if self._fs.exists(f"{self._root}/parts/{name}"):
+                    self._fs.rm(f"{self._root}/parts/{name}")
             self._part_files.pop(old.path, None)
             self._fs.rm(old.path)
             if self._fs.exists(old.path + DIGEST_SUFFIX):
                 self._fs.rm(old.path + DIGEST_SUFFIX)
-        self._collect_parts()
         log.debug("checkpoint at step %d: %s (%d bytes)", step, final, buffer.tell())
         return CheckpointInfo(final, step)
 
-    def _collect_parts(self) -> None:
-        """Delete the part files no kept checkpoint names (pruned ones, and those of a snapshot that was
-        never committed: a retaken write, a failed save)."""
-        folder = f"{self._root}/parts"
-        if not self._fs.exists(folder):
-            return
-        named = {name for info in self.list() for name in self._parts_of(info.path)}
-        for path in self._fs.ls(folder, detail=False):
-            if str(path).rsplit("/", 1)[-1] not in named:
-                self._fs.rm(path)
-
-    def load(self, info: CheckpointInfo) -> dict[str, Any]:
+    def load(self, info: CheckpointInfo, *, parts: bool = True) -> dict[str, Any]:
         """The checkpoint's state; a set's parts are read and merged when the store was opened with
-        ``merge_parts`` (without it, ``ps`` stays the record naming the parts: enough for its metadata)."""
+        ``merge_parts`` and ``parts`` is True (else ``ps`` stays the record naming the parts: enough for
+        the checkpoint's metadata, and nothing of the parameters is read)."""
         state = self._read(info)
         record = state.get("ps")
-        if isinstance(record, dict) and record.get("parts") and self._merge_parts is not None:
+        if isinstance(record, dict) and record.get("parts") and parts and self._merge_parts is not None:
             state = {**state, "ps": self._load_parts(info, record)}
         return state
 
@@ -210,8 +231,8 @@ class CheckpointStore:
 
         folder = info.path.rsplit("/", 1)[0] + "/parts"
         parts = []
-        for part in record["parts"]:
-            path = f"{folder}/{part['file']}"
+        for name, part in zip(part_names({"ps": record}, info.path), record["parts"]):
+            path = f"{folder}/{name}"
             try:
                 with self._fs.open(path, "rb") as f:
                     raw = f.read()
@@ -405,7 +426,7 @@ def own_latest(store: CheckpointStore, launch_id: str, fallback: Optional[Checkp
     if latest is None:
         return fallback
     try:
-        own = store.load(latest).get("launch_id") == launch_id
+        own = store.load(latest, parts=False).get("launch_id") == launch_id
     except Exception:  # unreadable: fall back rather than fail the retry
         log.warning("could not read checkpoint %s to resume the retry", latest.path, exc_info=True)
         own = False

@@ -201,14 +201,16 @@ def test_a_set_of_shard_parts_loads_merged_and_its_parts_go_with_it(tmp_path):
     store = CheckpointStore(str(tmp_path / "ckpt"), keep=2, merge_parts=_merge)
     for step, token in ((1, "a"), (2, "b"), (3, "c")):
         _save_set(store, step, token)
-    (tmp_path / "ckpt" / "parts" / "orphan-shard-0-of-2.pt").write_bytes(b"a retaken write's leftover")
+    (tmp_path / "ckpt" / "parts" / "e-shard-0-of-2.pt").write_bytes(b"a snapshot that was never committed")
+    store.discard_parts("e-")
     _save_set(store, 4, "d")
     assert store.load(store.latest())["ps"]["params"].tolist() == [4.0, 4.0, 5.0, 5.0]
-    # pruned with their checkpoints, and what no checkpoint names is collected
+    # pruned with their checkpoints
     assert sorted(p.name for p in (tmp_path / "ckpt" / "parts").iterdir()) == [
         f"{t}-shard-{i}-of-2.pt" for t in "cd" for i in range(2)]
-    # without a merge the record is enough for the metadata (no part is read)
+    # the record alone is enough for the metadata (no part is read)
     assert "parts" in CheckpointStore(str(tmp_path / "ckpt")).load(store.latest())["ps"]
+    assert "parts" in store.load(store.latest(), parts=False)["ps"]
 
     assert store.archive_previous() == 2  # the parts move with their checkpoint
     previous = CheckpointStore(str(tmp_path / "ckpt" / "previous"), merge_parts=_merge)
@@ -227,3 +229,33 @@ def test_a_missing_or_altered_part_is_refused_naming_it_before_it_is_unpickled(t
     part.unlink()
     with pytest.raises(ConfigError, match=r"names the part .*t-shard-1-of-2\.pt, which is missing"):
         store.load(info)
+
+
+def test_a_part_name_that_is_a_path_is_refused_written_or_read(tmp_path):
+    import io
+
+    from pipeline.checkpoints import FORMAT, CheckpointInfo, file_digest
+
+    store = CheckpointStore(str(tmp_path / "ckpt"), merge_parts=_merge)
+    forged = {"step": 1, "ps": {"version": 1, "parts": [{"file": "../../etc/passwd", "digest": "sha256:0"}]}}
+    with pytest.raises(ConfigError, match="not a plain file name"):
+        store.save(forged)
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())  # nothing written
+    (tmp_path / "ckpt").mkdir(exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save({**forged, "format": FORMAT}, buffer)  # written by hand, as someone with the folder could
+    path = tmp_path / "ckpt" / "ckpt-000000000001.pt"
+    path.write_bytes(buffer.getvalue())
+    (tmp_path / "ckpt" / "ckpt-000000000001.pt.sha256").write_text(file_digest(buffer.getvalue()))
+    with pytest.raises(ConfigError, match="not a plain file name"):
+        store.load(CheckpointInfo(str(path), 1))
+
+
+def test_an_unreadable_checkpoint_keeps_its_parts_when_pruned(tmp_path, monkeypatch):
+    store = CheckpointStore(str(tmp_path / "ckpt"), keep=1, merge_parts=_merge)
+    _save_set(store, 1, "a")
+    (tmp_path / "ckpt" / "ckpt-000000000001.pt.sha256").write_text("sha256:" + "0" * 64)  # now unreadable
+    fresh = CheckpointStore(str(tmp_path / "ckpt"), keep=1, merge_parts=_merge)  # knows nothing of it yet
+    _save_set(fresh, 2, "b")
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "parts").iterdir()) == [
+        f"{t}-shard-{i}-of-2.pt" for t in "ab" for i in range(2)]  # a's parts left, not guessed at

@@ -123,14 +123,34 @@ class HostsPS(DriverPS):
             return super()._snapshot()
         import uuid
 
-        from pipeline.launch.ps_side.snapshot import take_snapshot
+        from pipeline.errors import PSError
+        from pipeline.launch.ps_side.snapshot import SnapshotNotReady, epochs_left_unreported, take_snapshot
 
-        meta, store, server = self.run.checkpoint_meta, self.run.store, self.server
+        meta, store, server, progress = self.run.checkpoint_meta, self.run.store, self.server, self.run.progress
+        # Near an epoch's end the PS runs ahead of the epoch reports: ask with the version and clocks first,
+        # so a snapshot that would be thrown away never writes the whole model to the store.
+        probe = {"version": server.version, "clocks": dict(server.stats.get("clock_by_rank") or {})}
+        offset = int((meta.stream or {}).get("offset", 0))
+        if epochs_left_unreported(probe, progress.reports(), server.consistency, progress.world_size,
+                                  meta.steps_per_epoch, meta.epochs, offset):
+            raise SnapshotNotReady(f"the PS is at step {probe['version']} but an epoch report is still to come")
         timeout = max(PART_WRITE_S, deadlines(self.run.cfg).step.seconds)
         token = uuid.uuid4().hex[:12]
         parts = _PartsWriter(lambda: server.write_parts(store.parts_directory, token, timeout))
-        return take_snapshot(parts, self.run.progress, server.consistency, meta.steps_per_epoch, meta.epochs,
-                             **meta.record())
+        try:
+            return take_snapshot(parts, progress, server.consistency, meta.steps_per_epoch, meta.epochs,
+                                 **meta.record())
+        except BaseException as exc:
+            store.discard_parts(f"{token}-")  # never committed: no checkpoint names them
+            if isinstance(exc, PSError) and server.attached and not server.aborted and \
+                    "consistent snapshot" not in str(exc):
+                # A shard could not write (no credentials for the store, no permission): the driver takes
+                # this and every later checkpoint itself, as where the hosts share no store.
+                log.warning("the shards could not write their checkpoint parts to %s (%s); the driver takes the "
+                            "checkpoints from now on", store.parts_directory, exc)
+                self.shards_write = False
+                return super()._snapshot()
+            raise
 
     @property
     def keeps_sparse_tables(self) -> bool:

@@ -89,7 +89,9 @@ class Link:
         for _ in range(count):
             (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
             if length > budget:
-                raise ProtocolError(f"control link from {self._peer}: a message over {self.max_bytes} bytes")
+                raise ProtocolError(f"control link from {self._peer}: a message over {self.max_bytes} bytes (the cap "
+                                    "is the model's state; sparse tables of hashed ids count ps.sparse.max_rows "
+                                    "rows, 4M without it: set ps.sparse.max_rows to the rows a table may hold)")
             budget -= length
             frames.append(self._read(length))
         try:

@@ -108,7 +108,7 @@ class ShardProxy:
             try:
                 self._requests.send((op, args))
                 if not self._replies.poll(timeout):
-                    raise self._unanswered(str(args[0]) if args else op, timeout)
+                    raise self._unanswered(str(args[0]) if op in ("get", "call") and args else op, timeout)
                 status, value = self._replies.recv()
             except (EOFError, OSError, ProtocolError, ValueError):
                 # A broken channel, or a reply it cannot read (the next one would be misread after it): the

@@ -137,3 +137,21 @@ def test_sparse_tables_in_the_hosts_shards_score_like_the_driver_store(spark, tm
     auc = [evaluate(spark, manifest, r.spec, r.parameters).metrics["roc_auc"] for r in (spread, driver)]
     assert auc[0] == auc[1] and auc[0] > 0.55, auc
     assert spread.ps_stats["sparse"]["rejected_frames"] == 0 and spread.ps_stats["pid"] != os.getpid()
+
+
+def test_shards_that_cannot_write_their_parts_leave_the_checkpoints_to_the_driver(spark, digits, tmp_path, caplog):
+    import logging
+
+    from pipeline.checkpoints import CheckpointStore
+
+    cfg, manifest = digits
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "parts").write_text("a file where the parts' folder would go: every shard's write fails")
+    run = with_changes(cfg, name="hosts-parts-fallback", train={"checkpoint_every": 10, "checkpoint_dir": str(folder)})
+    with caplog.at_level(logging.WARNING, logger="pipeline.launch.placement.hosts_spread"):
+        result = train(spark, run, manifest)
+    assert result.steps > 10
+    assert "the shards could not write their checkpoint parts" in caplog.text
+    record = CheckpointStore(str(folder)).load(CheckpointStore(str(folder)).latest())["ps"]
+    assert "parts" not in record and record["params"].numel() == result.parameters.numel()
