@@ -1,0 +1,114 @@
+"""Every PS mode with the shards on the workers' hosts against the same mode with the PS on the driver:
+the digits pipeline's test accuracy on the multi-host testbed (tests/cluster/testbed.py), 2 and 3 hosts.
+
+    sudo .venv/bin/python bench/hosts_modes_bench.py [--hosts 2 3] [--modes sync ssp async average] [--epochs 8]
+
+For each N, one spark-submit application on N testbed hosts lands the digits once (on a folder every
+namespace sees: `workdir_on_every_host`), then runs the whole pipeline (ETL, training, evaluation) for each
+mode with `ps.placement=hosts` and with `ps.placement=driver`, and prints each run's test accuracy and
+the difference. Sync runs are bit-identical by design (tests/pipeline/launch/placement/test_hosts_spread.py);
+ssp and async apply pushes in arrival order, so their pairs differ by the run-to-run spread of asynchrony,
+which the table shows. One run; the table says on which machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MODES = {"sync": ["ps.mode=sync"], "ssp": ["ps.mode=ssp", "ps.staleness=2"], "async": ["ps.mode=async"],
+         "average": ["ps.mode=average", "ps.sync_every=4"]}
+PLACEMENTS = ("hosts", "driver")
+
+
+def inside(args) -> None:
+    """In the spark-submit application (the driver): every mode x placement, one pipeline each."""
+    from pipeline import steps
+    from pipeline.config import load
+    from pipeline.session import get_or_create_spark
+
+    base = [f"workdir={args.workdir}", "workdir_on_every_host=true", f"parallelism.data={args.n}",
+            f"train.epochs={args.epochs}", "tracking.log_model=false", "tracking.system_metrics_interval_s=null",
+            f"data.shards_dir={args.workdir}/shards"]
+    spark = None
+    for mode in args.modes:
+        for placement in PLACEMENTS:
+            cfg = load(str(REPO / "conf" / "digits.yaml"), [*base, f"name=modes-{mode}-{placement}",
+                                                           f"tracking.uri=sqlite:///{args.workdir}/mlflow.db",
+                                                           *MODES[mode], f"ps.placement={placement}"])
+            spark = spark or get_or_create_spark(cfg.spark)
+            started = time.perf_counter()
+            metrics = steps.run_all(spark, cfg).test_metrics
+            print("MODESBENCH " + json.dumps({"n": args.n, "mode": mode, "placement": placement,
+                                              "accuracy": metrics["accuracy"],
+                                              "seconds": time.perf_counter() - started}), flush=True)
+
+
+def table(rows: list[dict]) -> str:
+    by = {(r["n"], r["mode"], r["placement"]): r for r in rows}
+    lines = ["| N | mode | test accuracy, shards on the hosts | PS on the driver | hosts − driver (pp) |",
+             "|---|---|---|---|---|"]
+    for (n, mode, placement), r in sorted(by.items()):
+        other = by.get((n, mode, "driver"))
+        if placement == "hosts" and other:
+            lines.append(f"| {n} | {mode} | {r['accuracy']:.4f} | {other['accuracy']:.4f} | "
+                         f"{100 * (r['accuracy'] - other['accuracy']):+.2f} |")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    return "\n".join(lines) + f"\n\n(one run of `bench/hosts_modes_bench.py`, {time.strftime('%Y-%m-%d')}, {machine})\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inside:
+        inside(args)
+        return 0
+    from tests.cluster.testbed import Testbed, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"hosts_modes_bench needs the multi-host testbed: {reason}", file=sys.stderr)
+        return 2
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="sl-modesbench-") as root:
+        with Testbed.create(max(args.hosts), root=root) as bed:
+            for n in args.hosts:
+                command = bed.submit_command(str(Path(__file__).resolve()), "--inside", "--workdir",
+                                             str(Path(root) / f"work-{n}"), "--n", str(n), "--epochs",
+                                             str(args.epochs), "--modes", *args.modes, executors=n)
+                env = {**bed.submit_env(), "PYTHONPATH": str(REPO)}
+                print(f"N={n}: {len(args.modes) * len(PLACEMENTS)} pipelines", flush=True)
+                proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                tail: list[str] = []
+                for line in proc.stdout:
+                    tail = (tail + [line])[-60:]
+                    if line.startswith("MODESBENCH "):
+                        rows.append(json.loads(line[len("MODESBENCH "):]))
+                        r = rows[-1]
+                        print(f"N={r['n']} {r['mode']:<8} {r['placement']:<7} accuracy {r['accuracy']:.4f} "
+                              f"({r['seconds']:.0f} s)", flush=True)
+                if proc.wait() != 0:
+                    print("".join(tail), file=sys.stderr)
+                    return 1
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""bench/hosts_modes_bench.py's table: each mode's hosts run beside its driver run, the difference in points.
+(The bench itself needs the multi-host testbed.)"""
+
+
+def test_each_mode_pairs_its_hosts_run_with_its_driver_run(load_bench):
+    bench = load_bench("hosts_modes_bench")
+    rows = [{"n": 2, "mode": "async", "placement": p, "accuracy": a} for p, a in (("hosts", 0.9611), ("driver", 0.9583))]
+    rows.append({"n": 3, "mode": "sync", "placement": "hosts", "accuracy": 0.97})  # no driver twin: no line
+    table = bench.table(rows)
+    assert "| 2 | async | 0.9611 | 0.9583 | +0.28 |" in table
+    assert "| 3 | sync |" not in table
+    assert set(bench.MODES) == {"sync", "ssp", "async", "average"}
