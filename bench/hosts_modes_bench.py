@@ -2,13 +2,15 @@
 the digits pipeline's test accuracy on the multi-host testbed (tests/cluster/testbed.py), 2 and 3 hosts.
 
     sudo .venv/bin/python bench/hosts_modes_bench.py [--hosts 2 3] [--modes sync ssp async average] [--epochs 8]
+        [--repeats 1]
 
 For each N, one spark-submit application on N testbed hosts lands the digits once (on a folder every
 namespace sees: `workdir_on_every_host`), then runs the whole pipeline (ETL, training, evaluation) for each
 mode with `ps.placement=hosts` and with `ps.placement=driver`, and prints each run's test accuracy and
-the difference. Sync runs are bit-identical by design (tests/pipeline/launch/placement/test_hosts_spread.py);
-ssp and async apply pushes in arrival order, so their pairs differ by the run-to-run spread of asynchrony,
-which the table shows. One run; the table says on which machine.
+the difference of the means. Sync and average runs are the same bits by design
+(tests/pipeline/launch/placement/test_hosts_spread.py); ssp and async apply pushes in arrival order, so two
+runs of one placement differ too: with ``--repeats R`` each pair runs R times, alternating, and the table gives
+each placement's lowest and highest accuracy beside the means. The table says on which machine.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def inside(args) -> None:
             f"data.shards_dir={args.workdir}/shards"]
     spark = None
     for mode in args.modes:
-        for placement in PLACEMENTS:
+        for placement in [p for _ in range(args.repeats) for p in PLACEMENTS]:
             cfg = load(str(REPO / "conf" / "digits.yaml"), [*base, f"name=modes-{mode}-{placement}",
                                                            f"tracking.uri=sqlite:///{args.workdir}/mlflow.db",
                                                            *MODES[mode], f"ps.placement={placement}"])
@@ -55,14 +57,21 @@ def inside(args) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    by = {(r["n"], r["mode"], r["placement"]): r for r in rows}
-    lines = ["| N | mode | test accuracy, shards on the hosts | PS on the driver | hosts − driver (pp) |",
+    by: dict[tuple, list[float]] = {}
+    for r in rows:
+        by.setdefault((r["n"], r["mode"], r["placement"]), []).append(r["accuracy"])
+
+    def cell(values: list[float]) -> str:
+        mean = sum(values) / len(values)
+        return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ({min(values):.4f}–{max(values):.4f}, {len(values)} runs)"
+
+    lines = ["| N | mode | test accuracy, shards on the hosts | PS on the driver | hosts − driver (pp, means) |",
              "|---|---|---|---|---|"]
-    for (n, mode, placement), r in sorted(by.items()):
+    for (n, mode, placement), values in sorted(by.items()):
         other = by.get((n, mode, "driver"))
         if placement == "hosts" and other:
-            lines.append(f"| {n} | {mode} | {r['accuracy']:.4f} | {other['accuracy']:.4f} | "
-                         f"{100 * (r['accuracy'] - other['accuracy']):+.2f} |")
+            delta = sum(values) / len(values) - sum(other) / len(other)
+            lines.append(f"| {n} | {mode} | {cell(values)} | {cell(other)} | {100 * delta:+.2f} |")
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     return "\n".join(lines) + f"\n\n(one run of `bench/hosts_modes_bench.py`, {time.strftime('%Y-%m-%d')}, {machine})\n"
 
@@ -72,6 +81,7 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode and placement (alternating)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -91,7 +101,8 @@ def main() -> int:
             for n in args.hosts:
                 command = bed.submit_command(str(Path(__file__).resolve()), "--inside", "--workdir",
                                              str(Path(root) / f"work-{n}"), "--n", str(n), "--epochs",
-                                             str(args.epochs), "--modes", *args.modes, executors=n)
+                                             str(args.epochs), "--repeats", str(args.repeats), "--modes", *args.modes,
+                                             executors=n)
                 env = {**bed.submit_env(), "PYTHONPATH": str(REPO)}
                 print(f"N={n}: {len(args.modes) * len(PLACEMENTS)} pipelines", flush=True)
                 proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -10,3 +10,6 @@ def test_each_mode_pairs_its_hosts_run_with_its_driver_run(load_bench):
     assert "| 2 | async | 0.9611 | 0.9583 | +0.28 |" in table
     assert "| 3 | sync |" not in table
     assert set(bench.MODES) == {"sync", "ssp", "async", "average"}
+    repeated = [{"n": 3, "mode": "ssp", "placement": p, "accuracy": a}
+                for p, a in (("hosts", 0.85), ("driver", 0.86), ("hosts", 0.87), ("driver", 0.84))]
+    assert "| 3 | ssp | 0.8600 (0.8500–0.8700, 2 runs) | 0.8500 (0.8400–0.8600, 2 runs) | +1.00 |" in bench.table(repeated)
