@@ -18,9 +18,7 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -89,34 +87,17 @@ def main() -> int:
     if args.inside:
         inside(args)
         return 0
-    from tests.cluster.testbed import Testbed, unavailable_reason
+    from _testbed import run_on_testbed
 
-    reason = unavailable_reason()
-    if reason:
-        print(f"hosts_modes_bench needs the multi-host testbed: {reason}", file=sys.stderr)
-        return 2
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="sl-modesbench-") as root:
-        with Testbed.create(max(args.hosts), root=root) as bed:
-            for n in args.hosts:
-                command = bed.submit_command(str(Path(__file__).resolve()), "--inside", "--workdir",
-                                             str(Path(root) / f"work-{n}"), "--n", str(n), "--epochs",
-                                             str(args.epochs), "--repeats", str(args.repeats), "--modes", *args.modes,
-                                             executors=n)
-                env = {**bed.submit_env(), "PYTHONPATH": str(REPO)}
-                print(f"N={n}: {len(args.modes) * len(PLACEMENTS)} pipelines", flush=True)
-                proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                tail: list[str] = []
-                for line in proc.stdout:
-                    tail = (tail + [line])[-60:]
-                    if line.startswith("MODESBENCH "):
-                        rows.append(json.loads(line[len("MODESBENCH "):]))
-                        r = rows[-1]
-                        print(f"N={r['n']} {r['mode']:<8} {r['placement']:<7} accuracy {r['accuracy']:.4f} "
-                              f"({r['seconds']:.0f} s)", flush=True)
-                if proc.wait() != 0:
-                    print("".join(tail), file=sys.stderr)
-                    return 1
+    code, rows = run_on_testbed(
+        __file__, args.hosts, tag="MODESBENCH", prefix="sl-modesbench-",
+        inside_args=lambda bed, root, n: ["--workdir", str(Path(root) / f"work-{n}"), "--n", str(n), "--epochs",
+                                          str(args.epochs), "--repeats", str(args.repeats), "--modes", *args.modes],
+        announce=lambda n: f"{len(args.modes) * len(PLACEMENTS) * args.repeats} pipelines",
+        show=lambda r: (f"N={r['n']} {r['mode']:<8} {r['placement']:<7} accuracy {r['accuracy']:.4f} "
+                        f"({r['seconds']:.0f} s)"))
+    if code:
+        return code
     print(table(rows))
     return 0
 

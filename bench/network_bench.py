@@ -29,9 +29,7 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -181,33 +179,16 @@ def main() -> int:
     if args.inside:
         inside(args)
         return 0
-    from tests.cluster.testbed import Testbed, unavailable_reason
+    from _testbed import run_on_testbed
 
-    reason = unavailable_reason()
-    if reason:
-        print(f"network_bench needs the multi-host testbed: {reason}", file=sys.stderr)
-        return 2
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="sl-netbench-") as root:
-        with Testbed.create(max(args.hosts), root=root) as bed:
-            for n in args.hosts:
-                command = bed.submit_command(str(Path(__file__).resolve()), "--inside", "--state", bed.root,
-                                             "--workdir", str(Path(root) / f"work-{n}"), "--n", str(n), "--rates",
-                                             *args.rates, "--models", *args.models, "--backends", *args.backends,
-                                             executors=n)
-                env = {**bed.submit_env(), "PYTHONPATH": str(REPO)}
-                print(f"N={n}: {len(args.rates) * len(args.models) * len(args.backends)} trainings", flush=True)
-                proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                tail = []
-                for line in proc.stdout:
-                    tail = (tail + [line])[-60:]
-                    if line.startswith("NETBENCH "):
-                        row = json.loads(line[len("NETBENCH "):])
-                        rows.append(row)
-                        print(_line(row), flush=True)
-                if proc.wait() != 0:
-                    print("".join(tail), file=sys.stderr)
-                    return 1
+    code, rows = run_on_testbed(
+        __file__, args.hosts, tag="NETBENCH", prefix="sl-netbench-",
+        inside_args=lambda bed, root, n: ["--state", bed.root, "--workdir", str(Path(root) / f"work-{n}"), "--n",
+                                          str(n), "--rates", *args.rates, "--models", *args.models, "--backends",
+                                          *args.backends],
+        announce=lambda n: f"{len(args.rates) * len(args.models) * len(args.backends)} trainings", show=_line)
+    if code:
+        return code
     table = markdown(rows)
     print(table)
     if args.out:
