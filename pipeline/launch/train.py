@@ -66,7 +66,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     import torch
 
     from pipeline.checkpoints import CheckpointMeta, CheckpointStore
-    from pipeline.ps.server.parameter_server import merge_checkpoint_parts
+    from pipeline.ps.state.sharded import merge_checkpoint_parts
     from pipeline.models.state import flat_buffers, join_state
     from pipeline.ps.modes.consistency import expected_version
 

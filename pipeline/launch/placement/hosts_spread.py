@@ -98,11 +98,9 @@ class HostsPS(DriverPS):
     """``DriverPS`` whose server is a ``SpreadServer`` attached per attempt to the hosts' shard processes."""
 
     def _build_server(self, settings):
-        from pipeline.ps.server.spread import SpreadServer
-
-        from pipeline.launch.sparse_tables import sparse_spec
-
         from pipeline.launch.placement.ps_address import local_master
+        from pipeline.launch.sparse_tables import sparse_spec
+        from pipeline.ps.server.spread import SpreadServer
         from pipeline.storage import is_remote
 
         run, cfg = self.run, self.run.cfg
@@ -124,24 +122,21 @@ class HostsPS(DriverPS):
         import uuid
 
         from pipeline.errors import PSError
-        from pipeline.launch.ps_side.snapshot import SnapshotNotReady, epochs_left_unreported, take_snapshot
+        from pipeline.launch.ps_side.snapshot import take_snapshot
 
         meta, store, server, progress = self.run.checkpoint_meta, self.run.store, self.server, self.run.progress
-        # Near an epoch's end the PS runs ahead of the epoch reports: ask with the version and clocks first,
+        # Near an epoch's end the PS runs ahead of the epoch reports: the version and clocks are asked first,
         # so a snapshot that would be thrown away never writes the whole model to the store.
         probe = {"version": server.version, "clocks": dict(server.stats.get("clock_by_rank") or {})}
-        offset = int((meta.stream or {}).get("offset", 0))
-        if epochs_left_unreported(probe, progress.reports(), server.consistency, progress.world_size,
-                                  meta.steps_per_epoch, meta.epochs, offset):
-            raise SnapshotNotReady(f"the PS is at step {probe['version']} but an epoch report is still to come")
         timeout = max(PART_WRITE_S, deadlines(self.run.cfg).step.seconds)
         token = uuid.uuid4().hex[:12]
         parts = _PartsWriter(lambda: server.write_parts(store.parts_directory, token, timeout))
         try:
             return take_snapshot(parts, progress, server.consistency, meta.steps_per_epoch, meta.epochs,
-                                 **meta.record())
+                                 probe=probe, **meta.record())
         except BaseException as exc:
-            store.discard_parts(f"{token}-")  # never committed: no checkpoint names them
+            if parts.asked:  # never committed: no checkpoint names them
+                store.discard_parts(f"{token}-")
             if isinstance(exc, PSError) and server.attached and not server.aborted and \
                     "consistent snapshot" not in str(exc):
                 # A shard could not write (no credentials for the store, no permission): the driver takes
@@ -199,4 +194,9 @@ class _PartsWriter:
     """The server as ``take_snapshot`` sees it, whose state is the record of the parts its shards wrote."""
 
     def __init__(self, write) -> None:
-        self.state_dict = write
+        self._write = write
+        self.asked = False  # whether the shards were told to write (a probe that was not ready tells none)
+
+    def state_dict(self) -> dict:
+        self.asked = True
+        return self._write()

@@ -20,19 +20,28 @@ def epochs_left_unreported(state: dict, reports: dict, consistency, world_size: 
     return unreported_epochs(reports, steps, steps_per_epoch)
 
 
-def take_snapshot(server, progress, consistency, steps_per_epoch: int, epochs: int, /, **meta) -> dict:
+def take_snapshot(server, progress, consistency, steps_per_epoch: int, epochs: int, /, probe: dict | None = None,
+                  **meta) -> dict:
     """``{"step", "ps", "history", "pending", **meta}``, or SnapshotNotReady (retry in a moment).
 
     Ranks report an epoch (loss, validation) just after its last step, so a snapshot taken at an epoch
     boundary would otherwise lack that epoch: the resumed ranks start after it and never report it again.
+    ``probe``: the server's version and clocks, cheap to take, checked first where taking the state itself
+    costs (shards writing their parts): a snapshot that would be thrown away is then never taken.
     """
     reports = progress.reports()  # first: every report in it was sent before the state below was taken
-    state = server.state_dict()
     offset = int((meta.get("stream") or {}).get("offset", 0))
-    missing = epochs_left_unreported(state, reports, consistency, progress.world_size, steps_per_epoch, epochs,
-                                     offset)
-    if missing:
-        rank, epoch = missing[0]
-        raise SnapshotNotReady(f"the PS is at step {state['version']} but rank {rank} has not reported epoch "
-                               f"{epoch} yet")
+
+    def check(state: dict) -> None:
+        missing = epochs_left_unreported(state, reports, consistency, progress.world_size, steps_per_epoch, epochs,
+                                         offset)
+        if missing:
+            rank, epoch = missing[0]
+            raise SnapshotNotReady(f"the PS is at step {state['version']} but rank {rank} has not reported epoch "
+                                   f"{epoch} yet")
+
+    if probe is not None:
+        check(probe)
+    state = server.state_dict()
+    check(state)
     return {"step": int(state["version"]), "ps": state, **reports, **meta}

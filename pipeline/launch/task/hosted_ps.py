@@ -89,7 +89,7 @@ class HostedPS:
         from pipeline.ps import ParameterServer
 
         spec = self.spec
-        from pipeline.ps.server.parameter_server import merge_checkpoint_parts
+        from pipeline.ps.state.sharded import merge_checkpoint_parts
 
         store = CheckpointStore(spec.checkpoint_dir, spec.keep_checkpoints, merge_parts=merge_checkpoint_parts)
         state = store.load(CheckpointInfo(spec.resume_path, -1)) if spec.resume_path else None

@@ -106,3 +106,25 @@ def test_the_periodic_checkpoint_at_an_epoch_end_is_written_once_the_epoch_is_re
     [info] = store.list()
     saved = store.load(info)
     assert info.step == 2 and [row["epoch"] for row in saved["history"]] == [0]
+
+
+def test_a_probe_that_is_not_ready_takes_no_state(ps):
+    """The shards' version and clocks are asked first where taking the state costs (ps.placement=hosts: the
+    shards write the whole model to the store): a snapshot that would be thrown away never takes it."""
+    server, progress, clients = ps("sync")
+    sync_steps(clients, range(STEPS_PER_EPOCH))  # epoch 0 stepped through, nobody has reported it yet
+    taken = []
+
+    class Costly:
+        def state_dict(self):
+            taken.append(1)
+            return server.state_dict()
+
+    probe = {"version": server.version, "clocks": {}}
+    with pytest.raises(SnapshotNotReady, match="rank 0 has not reported epoch 0"):
+        take_snapshot(Costly(), progress, Consistency("sync"), STEPS_PER_EPOCH, EPOCHS, probe=probe)
+    assert taken == []
+    for client in clients:
+        client.report(epoch_report(0, STEPS_PER_EPOCH))
+    state = take_snapshot(Costly(), progress, Consistency("sync"), STEPS_PER_EPOCH, EPOCHS, probe=probe)
+    assert taken == [1] and state["step"] == STEPS_PER_EPOCH

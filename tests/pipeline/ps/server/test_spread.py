@@ -306,7 +306,7 @@ def test_each_host_shard_writes_its_checkpoint_part_and_the_set_loads_as_the_sta
     """Checkpoints as sets: every host's process writes its slice itself, the driver commits the record
     naming the parts and their digests, and the set loads as the state the driver would have pulled."""
     from pipeline.checkpoints import CheckpointStore
-    from pipeline.ps.server.parameter_server import merge_checkpoint_parts
+    from pipeline.ps.state.sharded import merge_checkpoint_parts
 
     torch.manual_seed(3)
     initial = torch.randn(N)
