@@ -1,4 +1,4 @@
-"""The `shardline` command: generate | etl | train | evaluate | run | promote | score | workflow | tune,
+"""The `shardline` command: generate | etl | train | evaluate | run | promote | score | workflow | tune | plan,
 each on a layered config plus overrides.
 
     shardline run --config conf/digits.yaml parallelism.data=2 train.epochs=5 ps.mode=sync
@@ -29,6 +29,8 @@ COMMANDS = {
                 "nothing changed)",
     "tune": "hyperparameter search (Optuna) over tune.space: each trial a training run nested under one MLflow "
             "run; resumes an interrupted study; writes and registers the best",
+    "plan": "the train.backend=auto table without training: each strategy's predicted step on an assumed cluster "
+            "(--hosts 16 --link-gbit 10); strategy keys not fixed on the command line are open",
 }
 
 
@@ -49,6 +51,16 @@ def _parser() -> argparse.ArgumentParser:
         if name == "tune":
             cmd.add_argument("--trials", type=int, default=None, help="trials in the study (default tune.trials); "
                              "an interrupted study runs only the ones still missing")
+        if name == "plan":
+            cmd.add_argument("--hosts", type=int, required=True, help="worker hosts of the assumed cluster")
+            cmd.add_argument("--link-gbit", type=float, required=True, help="each host's link, Gbit/s each way")
+            cmd.add_argument("--ranks-per-host", type=int, default=1, help="training ranks on each host (default 1)")
+            cmd.add_argument("--driver-link-gbit", type=float, default=None,
+                             help="the driver's link, Gbit/s (default: --link-gbit)")
+            cmd.add_argument("--param-mb", type=float, default=None,
+                             help="the model's fp32 parameters in MB (default: the config's model on its shard set)")
+            cmd.add_argument("--compute-ms", type=float, default=None,
+                             help="a step's forward + backward in ms (default: timed, or estimated from FLOPs, here)")
         if name in ("train", "run"):
             cmd.add_argument("--resume", action="store_true",
                              help="continue from the newest checkpoint in train.checkpoint_dir (same shards, "
@@ -80,13 +92,15 @@ def configure_logging(level: str) -> None:
 
 def run_command(command: str, config: Optional[str], overrides: Sequence[str], base: Optional[str] = None,
                 resume: bool = False, model: Optional[str] = None, input: Optional[str] = None,
-                output: Optional[str] = None, trials: Optional[int] = None):
+                output: Optional[str] = None, trials: Optional[int] = None, assumed=None):
     """Load the config, get the Spark session and run one step; returns what the step returned."""
     from pipeline import steps
     from pipeline.config import load
     from pipeline.session import get_or_create_spark
 
     cfg = load(config, overrides, base=base)
+    if command == "plan":  # no Spark: a table for a cluster that need not exist yet
+        return steps.plan(cfg, assumed, overrides)
     spark = get_or_create_spark(cfg.spark)
     if command == "generate":
         return steps.generate(spark, cfg)
@@ -114,6 +128,10 @@ def run_command(command: str, config: Optional[str], overrides: Sequence[str], b
 
 
 def _report(command: str, outcome) -> None:
+    if command == "plan":
+        print(outcome.table())
+        print(f"pick: {outcome.pick.name} ({outcome.predicted.step_s * 1e3:.2f} ms a step predicted)")
+        return
     if command == "score":
         print(f"scored {outcome.input_rows} rows with {outcome.model_uri} (run {outcome.run_id}) -> {outcome.output}")
         print(f"scored={outcome.scored_rows} invalid={outcome.invalid_rows} {outcome.invalid_by_column} "
@@ -152,6 +170,15 @@ def _report(command: str, outcome) -> None:
         print("test metrics: " + json.dumps({k: round(v, 4) for k, v in outcome.test_metrics.items()}))
 
 
+def _assumed(args):
+    if args.command != "plan":
+        return None
+    if args.hosts < 1 or args.ranks_per_host < 1 or args.link_gbit <= 0:
+        raise SystemExit("shardline plan: --hosts and --ranks-per-host must be >= 1 and --link-gbit > 0")
+    return {"hosts": args.hosts, "link_gbit": args.link_gbit, "ranks_per_host": args.ranks_per_host,
+            "driver_link_gbit": args.driver_link_gbit, "param_mb": args.param_mb, "compute_ms": args.compute_ms}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
@@ -159,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         outcome = run_command(args.command, args.config, args.overrides, args.base,
                               resume=getattr(args, "resume", False), model=getattr(args, "model", None),
                               input=getattr(args, "input", None), output=getattr(args, "output", None),
-                              trials=getattr(args, "trials", None))
+                              trials=getattr(args, "trials", None), assumed=_assumed(args))
     except ShardlineError as exc:
         log.error("%s", exc)
         print(f"shardline {args.command} failed: {exc}", file=sys.stderr)

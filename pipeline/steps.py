@@ -147,12 +147,16 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
                 initial_parameters=None, on_epoch=None, stoppable: bool = False):
     from pipeline.launch import train as launch_train
     from pipeline.launch.elastic import fit_workers
+    from pipeline.launch.train import resolve_strategy
 
     asked = cfg.parallelism.data
     cfg = fit_workers(spark, cfg)  # train.min_workers: the params say what ran, and what was asked
+    cfg, strategy = resolve_strategy(spark, cfg, manifest)  # auto keys: the params say what was picked
     if not resume:  # a resumed run logged its params already (MLflow refuses to change them)
         run.log_params({**cfg.model_dump(mode="json"), **({"parallelism.data_asked": asked}
                                                           if asked != cfg.parallelism.data else {})})
+    if strategy is not None:
+        _log_strategy(run, strategy, resume)
     run.set_tags({"shardline.fingerprint": manifest.fingerprint, "shardline.workers": str(cfg.parallelism.data)})
     run.log_manifest(manifest)  # manifest.json + vocabularies: what scoring rebuilds the preprocessing from
     run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),
@@ -170,7 +174,7 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
 
     result = launch_train(spark, cfg, manifest, on_epoch=log_epoch, resume=resume,
                           checkpoint_extra={"mlflow_run_id": run.run_id}, initial_parameters=initial_parameters,
-                          stoppable=stoppable)
+                          stoppable=stoppable, strategy=strategy)
     if result.resumed_from_step is not None:
         run.set_tags({"shardline.resumed_from_step": str(result.resumed_from_step)})
     if result.failed_attempts:
@@ -195,6 +199,22 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
         (Path(tmp) / "model.pt").write_bytes(saved)
         run.log_file(Path(tmp) / "model.pt", MODEL_ARTIFACT_DIR)  # spec + flat parameters: what promotion re-scores with
     return result
+
+
+def _log_strategy(run, strategy, resume: bool) -> None:
+    """train.backend=auto: the pick as a param (strategy.pick) and tag, the table and its figures as artifacts."""
+    import json
+    import tempfile
+
+    if not resume:
+        run.log_params({"strategy.pick": strategy.pick.name,
+                        "strategy.predicted_step_ms": round(strategy.predicted.step_s * 1e3, 3)})
+    run.set_tags({"shardline.strategy": strategy.pick.name})
+    with tempfile.TemporaryDirectory(prefix="shardline-strategy-") as tmp:
+        (Path(tmp) / "candidates.md").write_text(strategy.table() + "\n")
+        (Path(tmp) / "candidates.json").write_text(json.dumps(strategy.to_dict(), indent=1, default=str))
+        for name in ("candidates.md", "candidates.json"):
+            run.log_file(Path(tmp) / name, "strategy")
 
 
 def _evaluate_into(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, parameters):
@@ -305,6 +325,27 @@ def tracked_training(spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
         _record_model_uri(cfg, run.run_id, model_uri)
     return TrackedTraining(PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, result.seconds,
                                            model_uri), result)
+
+
+def plan(cfg: PipelineConfig, assumed: dict, overrides=()):
+    """``shardline plan``: the strategy decision for ``cfg`` on an assumed cluster (``plan.Assumed``'s fields),
+    without Spark or training; every strategy key the command line did not fix is open (launch/strategy/plan.py)."""
+    from pipeline.config.loader import with_changes
+    from pipeline.launch.strategy import decide
+    from pipeline.launch.strategy.plan import Assumed, assumed_probes, open_keys
+    from pipeline.launch.train import model_spec_of
+
+    assumed = Assumed(**assumed)
+    cfg = with_changes(cfg, **open_keys(overrides), parallelism={"data": assumed.hosts * assumed.ranks_per_host})
+    manifest = spec = None
+    if assumed.param_mb is None:
+        try:
+            manifest = load_shards(cfg)
+        except (OSError, ShardlineError) as exc:
+            raise ConfigError(f"shardline plan sizes the model on its shard set, and there is none for this config "
+                              f"({exc}); run `shardline etl` first, or pass --param-mb (and --compute-ms)") from None
+        spec = model_spec_of(cfg, manifest)
+    return decide(cfg, assumed_probes(cfg, manifest, spec, assumed))
 
 
 def registered_name(cfg: PipelineConfig) -> str:

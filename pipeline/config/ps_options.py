@@ -15,15 +15,17 @@ from pipeline.config.sparse import SparseConfig
 
 class PSConfig(_Section):
     # sync: BSP, average every rank's gradient of step t; async: apply each push on arrival;
-    # ssp: bounded staleness (see staleness); average: local SGD, parameters averaged every sync_every steps.
-    mode: Literal["sync", "async", "ssp", "average"] = "sync"
+    # ssp: bounded staleness (see staleness); average: local SGD, parameters averaged every sync_every steps;
+    # auto: the cost model picks (sync unless train.auto.allow grants async / ssp / average).
+    mode: Literal["sync", "async", "ssp", "average", "auto"] = "sync"
     # ssp: how many steps a worker may run ahead of the slowest before it blocks (0 = sync).
     staleness: int = Field(2, ge=0, le=1000)
     # average: local steps between two parameter averages (and one after the last step).
     sync_every: int = Field(4, ge=1)
     # What workers push: none (fp32), fp16/bf16 (half the bytes, fp32 sums on the server),
-    # topk (the topk_ratio largest entries + error feedback kept on the worker).
-    compression: Literal["none", "fp16", "bf16", "topk"] = "none"
+    # topk (the topk_ratio largest entries + error feedback kept on the worker); auto: the cost model picks
+    # (none unless train.auto.allow grants compression).
+    compression: Literal["none", "fp16", "bf16", "topk", "auto"] = "none"
     topk_ratio: float = Field(0.01, gt=0, le=1)  # ps.compression=topk: the fraction of gradient entries sent per step
     # Parameter-server shards: balanced contiguous slices of the parameters, each with its own
     # listener and threads (all on the driver); workers talk to every shard concurrently.
@@ -52,7 +54,9 @@ class PSConfig(_Section):
     # driver's link none; the driver stays the coordinator (roster, failures, progress, checkpoints, early
     # stopping, the final merge) over an authenticated control link per shard (pipeline/ps/server/spread.py).
     # ps.shards and ps.server_processes do not apply (the hosts are the shards); needs train.backend=ps.
-    placement: Literal["driver", "task", "hosts"] = "driver"
+    # auto: the cost model picks driver or hosts from the measured links (task only by name: it is for
+    # clusters whose executors cannot reach the driver, which a probe from the driver cannot tell).
+    placement: Literal["driver", "task", "hosts", "auto"] = "driver"
     # async/ssp, staleness-aware updates (pipeline/ps/modes/staleness.py documents both rules). staleness_scale:
     # inverse weighs each gradient by 1/(1+s), s = versions applied since the rank pulled; none = full weight.
     staleness_scale: Literal["inverse", "none"] = "inverse"

@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline.config.auto import AutoConfig
 from pipeline.config.faults import FaultsConfig
 from pipeline.config.features import FeatureEntry
 from pipeline.config.loss import LossFields
@@ -250,8 +251,10 @@ class TrainConfig(_Section):
     # Lines of each worker's log kept for the driver's error report.
     log_tail_lines: int = Field(40, ge=0, le=10_000)
     # How workers synchronize: `ps` (the driver's parameter server, ps.* modes) or `allreduce`
-    # (torch.distributed between the tasks, DistributedDataParallel: gloo on CPU, nccl on GPUs).
-    backend: Literal["ps", "allreduce"] = "ps"
+    # (torch.distributed between the tasks, DistributedDataParallel: gloo on CPU, nccl on GPUs); `auto`: the
+    # measured cost model (pipeline/launch/strategy/) picks, among the strategies train.auto allows.
+    backend: Literal["ps", "allreduce", "auto"] = "ps"
+    auto: AutoConfig = Field(default_factory=AutoConfig)  # what backend/ps.mode/compression/placement auto may pick
     # allreduce on CPU with every rank on one host: DDP's buckets averaged through /dev/shm
     # (pipeline/worker/shm_allreduce.py) instead of gloo over TCP loopback; off: gloo always.
     allreduce_shared_memory: bool = True
@@ -364,10 +367,10 @@ class PipelineConfig(_Section):
     def _pipeline_parallel_limits(self) -> "PipelineConfig":
         check_combinations(self)  # the train.* essentials' own limits
         if self.parallelism.pipeline > 1:
-            if self.train.backend == "ps" and self.ps.mode != "sync":
+            if self.train.backend != "allreduce" and self.ps.mode not in ("sync", "auto"):
                 raise ValueError(f"parallelism.pipeline > 1 needs ps.mode=sync (got {self.ps.mode}): the stages of "
                                  "one replica must apply the same step together")
-            if self.ps.placement != "driver":
+            if self.ps.placement not in ("driver", "auto"):
                 raise ValueError("parallelism.pipeline > 1 needs ps.placement=driver (one PS per stage, on the driver)")
             if self.ps.compression == "topk":
                 raise ValueError("parallelism.pipeline > 1 does not support ps.compression=topk yet; use none/fp16/bf16")

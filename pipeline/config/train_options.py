@@ -76,14 +76,14 @@ def check_combinations(cfg) -> None:
         if train.backend == "ps" and cfg.ps.placement == "hosts" and cfg.ps.mode != "average":
             raise ValueError("train.clip_grad_norm with ps.placement=hosts: each host's shard steps its own slice, "
                              "so the global norm would need a round between hosts; set ps.placement=driver")
-    if cfg.ps.placement == "hosts" and train.backend != "ps":
+    if cfg.ps.placement == "hosts" and train.backend == "allreduce":
         raise ValueError("ps.placement=hosts spreads the parameter server's shards over the hosts; "
                          f"train.backend={train.backend} has no server state to spread: set ps.placement=driver")
     if train.precision != "fp32" and p.pipeline > 1:
         raise ValueError(f"train.precision={train.precision} needs parallelism.pipeline=1 (stages exchange fp32 "
                          "activations); use train.precision=fp32")
     watching = train.early_stopping.enabled or train.divergence.enabled is True
-    if watching and (train.backend != "ps" or cfg.ps.placement == "task"):
+    if watching and (train.backend == "allreduce" or cfg.ps.placement == "task"):
         raise ValueError("train.early_stopping / train.divergence need train.backend=ps and ps.placement=driver "
                          "or hosts (the best epoch is kept by the driver); set "
                          "train.early_stopping.enabled=false and train.divergence.enabled=false")

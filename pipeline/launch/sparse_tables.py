@@ -26,9 +26,6 @@ def sparse_spec(cfg: PipelineConfig, spec: Any) -> Optional[Any]:
     sparse table."""
     from pipeline.models import build_model
     from pipeline.models.sparse_embedding import sparse_modules
-    from pipeline.ps.sparse.rowopt import RowOptimizerSpec
-    from pipeline.ps.sparse.spec import SparseSpec
-    from pipeline.ps.sparse.table import RowPolicy
 
     modules = sparse_modules(build_model(spec))
     if not modules:
@@ -39,6 +36,16 @@ def sparse_spec(cfg: PipelineConfig, spec: Any) -> Optional[Any]:
     log.info("sparse tables on the parameter server (%s): %s (ps.sparse.optimizer=%s, lr=%g, %d row shards, "
              "%s rows)", where, ", ".join(f"{m.spec.name}[{m.spec.num_rows or 'unbounded'}x{m.spec.dim}]"
                                           for m in modules), s.optimizer, s.lr, s.row_shards, s.wire_dtype)
+    return tables_spec(cfg, spec, modules)
+
+
+def tables_spec(cfg: PipelineConfig, spec: Any, modules: list) -> Any:
+    """The SparseSpec of ``modules`` (the model's sparse tables) under ps.sparse, unchecked (sparse_spec checks)."""
+    from pipeline.ps.sparse.rowopt import RowOptimizerSpec
+    from pipeline.ps.sparse.spec import SparseSpec
+    from pipeline.ps.sparse.table import RowPolicy
+
+    s = cfg.ps.sparse
     return SparseSpec(tuple(m.spec for m in modules), RowOptimizerSpec(s.optimizer, lr=s.lr), s.row_shards,
                       RowPolicy(s.admit_after, s.ttl_steps, s.max_rows), spec.sparse.get("wire_dtype", "fp32"))
 

@@ -53,7 +53,8 @@ class TrainResult:
 
 def train(spark, cfg: PipelineConfig, manifest: Manifest,
           on_epoch: Optional[Callable[[dict], Optional[str]]] = None, *, resume: bool = False,
-          checkpoint_extra: Optional[dict] = None, initial_parameters=None, stoppable: bool = False) -> TrainResult:
+          checkpoint_extra: Optional[dict] = None, initial_parameters=None, stoppable: bool = False,
+          strategy=None) -> TrainResult:
     """Train on the shard set with ``cfg.parallelism.tasks`` barrier workers synchronized by a PS (on the
     driver or in rank 0's task, ``ps.placement``) or by allreduce.
 
@@ -62,6 +63,8 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     scratch. checkpoint_extra (plain values) is stored in every checkpoint. With ``stoppable``, an
     ``on_epoch`` that returns a reason (a str) stops training after that epoch, keeping the best epoch
     (``shardline tune``'s pruner): on the ps backend with the driver-hosted PS; elsewhere it is logged.
+    ``strategy``: the ``choose_strategy`` decision that made ``cfg`` (its prediction is checked against the
+    first epoch); with a config that still says auto somewhere, this call chooses.
     """
     import torch
 
@@ -70,16 +73,16 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     from pipeline.models.state import flat_buffers, join_state
     from pipeline.ps.modes.consistency import expected_version
 
-    check_shared_storage(spark, cfg, etl=False)
     cfg = fit_workers(spark, cfg)  # train.min_workers: fewer slots than asked may still train
+    if strategy is None:
+        cfg, strategy = resolve_strategy(spark, cfg, manifest)
+    check_shared_storage(spark, cfg, etl=False)
     replicas, stages = cfg.parallelism.data, cfg.parallelism.pipeline
     workers = cfg.parallelism.tasks  # barrier tasks: one per (replica, stage)
     check_barrier_slots(spark, workers, None if stages == 1 else
                         f"parallelism.data x pipeline = {replicas} x {stages} barrier tasks")
     steps = steps_per_epoch(manifest, replicas, cfg.train.batch_size, per_rank_shards=cfg.data.reader == "petastorm")
-    spec = model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
-                      task=manifest.task, labels=manifest.label_mapping, target_scale=_target_scale(cfg, manifest),
-                      sparse=cfg.ps.sparse.model_options(cfg.train.seed))
+    spec = model_spec_of(cfg, manifest)
     store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints,
                             merge_parts=merge_checkpoint_parts)  # ps.placement=hosts: sets of shard parts
     allreduce = cfg.train.backend == "allreduce"
@@ -109,9 +112,14 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
     stream = stream_plan(cfg, manifest, steps, resumed)  # a resume may change the world size (elastic.py)
     expected = expected_version(consistency(cfg), stream.total_steps(cfg.train.epochs), replicas)
     placement = None
+    history_checked: list = []
 
     def epoch_done(row: dict) -> None:
         placement.on_epoch(row)
+        # the first epoch after the warm-up one (its first steps pay first-call allocations and imports)
+        if strategy is not None and not history_checked and int(row["epoch"]) >= min(1, cfg.train.epochs - 1):
+            history_checked.append(row)
+            _check_prediction(strategy, row, steps, cfg.train.auto.warn_factor)
         reason = on_epoch(row) if on_epoch is not None else None
         if stoppable and isinstance(reason, str):
             placement.request_stop("pruned", reason, int(row["epoch"]))
@@ -169,6 +177,36 @@ def _go_on_smaller(spark, cfg: PipelineConfig, manifest: Manifest, shrink: Clust
     result = train(spark, with_changes(cfg, parallelism={"data": shrink.slots}), manifest, resume=stateful, **kwargs)
     result.failed_attempts = list(getattr(shrink, "failed_attempts", [])) + result.failed_attempts
     return result
+
+
+def resolve_strategy(spark, cfg: PipelineConfig, manifest: Manifest):
+    """(the config to train with, the strategy decision or None): ``train.backend`` / ``ps.*`` auto keys
+    decided by the measured cost model (pipeline/launch/strategy/); a config without auto is returned as is."""
+    from pipeline.launch.strategy import choose_strategy, has_auto
+
+    if not has_auto(cfg):
+        return cfg, None
+    return choose_strategy(spark, cfg, manifest, model_spec_of(cfg, manifest), cfg.parallelism.tasks)
+
+
+def model_spec_of(cfg: PipelineConfig, manifest: Manifest) -> ModelSpec:
+    """The model spec of ``cfg`` on ``manifest``'s features (what the workers build)."""
+    return model_spec(cfg.model, features=manifest.feature_set, num_classes=manifest.num_classes,
+                      task=manifest.task, labels=manifest.label_mapping, target_scale=_target_scale(cfg, manifest),
+                      sparse=cfg.ps.sparse.model_options(cfg.train.seed))
+
+
+def _check_prediction(strategy, row: dict, steps: int, factor: float) -> None:
+    """After the first epoch past the warm-up one (the only one of a 1-epoch run): the measured step (the
+    slowest rank's own clock) against auto's prediction."""
+    measured = [v for k, v in row.items() if k.endswith("/step_time_s")]
+    step_s = max(measured) if measured else float(row.get("epoch_seconds", 0.0)) / max(steps, 1)
+    warning = strategy.check_first_epoch(step_s, factor)
+    if warning:
+        log.warning(warning)
+    else:
+        log.info("train.backend=auto: the first epoch's step %.2f ms against %.2f ms predicted for %s",
+                 step_s * 1e3, strategy.predicted.step_s * 1e3, strategy.pick.name)
 
 
 def _check_sparse(cfg: PipelineConfig, model) -> None:
