@@ -160,6 +160,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="trainings of each candidate; the median is kept")
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--json", action="store_true", help="also print every row as a STRATBENCH JSON line")
+    parser.add_argument("--rows-out", help="also write every row (predictions, terms, probes, measurements) as JSON here")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -184,9 +185,13 @@ def main() -> int:
         rows += bed_rows
         if code:
             print(table(rows))
+            if args.rows_out:
+                Path(args.rows_out).write_text(json.dumps(rows, indent=1))
             return code
     text = table(rows)
     print(text)
+    if args.rows_out:
+        Path(args.rows_out).write_text(json.dumps(rows, indent=1))
     if args.out:
         Path(args.out).write_text(text)
     return 0

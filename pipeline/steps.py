@@ -151,7 +151,7 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
 
     asked = cfg.parallelism.data
     cfg = fit_workers(spark, cfg)  # train.min_workers: the params say what ran, and what was asked
-    cfg, strategy = resolve_strategy(spark, cfg, manifest)  # auto keys: the params say what was picked
+    cfg, strategy = resolve_strategy(spark, cfg, manifest, resume=resume)  # auto keys: the params say what ran
     if not resume:  # a resumed run logged its params already (MLflow refuses to change them)
         run.log_params({**cfg.model_dump(mode="json"), **({"parallelism.data_asked": asked}
                                                           if asked != cfg.parallelism.data else {})})

@@ -75,7 +75,7 @@ def train(spark, cfg: PipelineConfig, manifest: Manifest,
 
     cfg = fit_workers(spark, cfg)  # train.min_workers: fewer slots than asked may still train
     if strategy is None:
-        cfg, strategy = resolve_strategy(spark, cfg, manifest)
+        cfg, strategy = resolve_strategy(spark, cfg, manifest, resume=resume)
     check_shared_storage(spark, cfg, etl=False)
     replicas, stages = cfg.parallelism.data, cfg.parallelism.pipeline
     workers = cfg.parallelism.tasks  # barrier tasks: one per (replica, stage)
@@ -179,13 +179,23 @@ def _go_on_smaller(spark, cfg: PipelineConfig, manifest: Manifest, shrink: Clust
     return result
 
 
-def resolve_strategy(spark, cfg: PipelineConfig, manifest: Manifest):
+def resolve_strategy(spark, cfg: PipelineConfig, manifest: Manifest, *, resume: bool = False):
     """(the config to train with, the strategy decision or None): ``train.backend`` / ``ps.*`` auto keys
-    decided by the measured cost model (pipeline/launch/strategy/); a config without auto is returned as is."""
+    decided by the measured cost model (pipeline/launch/strategy/); a config without auto is returned as is.
+    ``resume``: what the checkpoint fixed stays fixed: the PS (allreduce keeps no server state) and its mode."""
+    from pipeline.config.loader import with_changes
     from pipeline.launch.strategy import choose_strategy, has_auto
 
     if not has_auto(cfg):
         return cfg, None
+    if resume:
+        from pipeline.checkpoints import CheckpointStore
+
+        store = CheckpointStore(Workdir.of(cfg).checkpoints, cfg.train.keep_checkpoints)
+        latest = store.latest()
+        mode = store.load(latest, parts=False).get("mode") if latest is not None else None
+        cfg = with_changes(cfg, train={"backend": "ps" if cfg.train.backend == "auto" else cfg.train.backend},
+                           ps={"mode": mode if cfg.ps.mode == "auto" and mode else cfg.ps.mode})
     return choose_strategy(spark, cfg, manifest, model_spec_of(cfg, manifest), cfg.parallelism.tasks)
 
 

@@ -83,9 +83,9 @@ class _ShardlineParams(HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabi
     batchSize = Param(Params._dummy(), "batchSize", "train.batch_size (per worker)",
                       typeConverter=TypeConverters.toInt)
     learningRate = Param(Params._dummy(), "learningRate", "train.lr", typeConverter=TypeConverters.toFloat)
-    backend = Param(Params._dummy(), "backend", "train.backend: ps | allreduce",
+    backend = Param(Params._dummy(), "backend", "train.backend: ps | allreduce | auto",
                     typeConverter=TypeConverters.toString)
-    psMode = Param(Params._dummy(), "psMode", "ps.mode: sync | async | ssp | average",
+    psMode = Param(Params._dummy(), "psMode", "ps.mode: sync | async | ssp | average | auto",
                    typeConverter=TypeConverters.toString)
     inputCols = Param(Params._dummy(), "inputCols",
                       "raw input columns, one feature each (instead of featuresCol); typed data.features "

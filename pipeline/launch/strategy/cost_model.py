@@ -37,8 +37,10 @@ class Probes:
     sparse_bytes: float = 0.0   # ps.sparse: the rows of one rank's step, each way (pulled, then pushed)
     sparse_rows: float = 0.0    # ps.sparse: distinct rows of one rank's step, over every table
     sparse_server_s: float = 0.0  # ps.sparse: a server's lookup and row-optimizer step of one rank's rows
+    burst_bytes: float = 0.0    # what a host's link passes at once after an idle spell (a token-bucket shaper's burst)
     same_host: bool = False     # every rank on the server's own host: payloads through shared memory
     shared_cpu: bool = False    # the driver runs on the ranks' CPUs (one machine; a testbed's namespaces)
+    cpu_share: float = 1.0      # ranks per core where ranks share a machine's cores (>= 1): CPU-bound fixed costs stretch
     source: str = "probed"      # probed | cached | assumed
 
     def to_dict(self) -> dict:
@@ -56,7 +58,7 @@ class Constants:
     hosts_round_s: float = 0.0012   # the same round on H host shards (H requests each way per rank)
     async_round_s: float = 0.00085  # an async push + pull: no wait for other ranks
     allreduce_round_s: float = 0.0002  # DDP's bucket hooks and one shared-memory allreduce (one host)
-    ring_round_s: float = 0.0012    # the same over gloo's TCP ring (ranks on several hosts)
+    ring_step_s: float = 0.0006     # one of the 2(N-1) steps of gloo's TCP ring (ranks on several hosts)
     average_round_s: float = 0.0006  # one parameter average (average mode), as a PS round
     # Ties: a strategy with fewer freedoms (allreduce, then the driver's PS, first) is kept unless another is
     # predicted faster by more than this fraction: no exactness or simplicity is given up for noise.
@@ -96,30 +98,38 @@ def predict(candidate: Candidate, p: Probes, *, topk_ratio: float = 0.01, sync_e
 
 def _allreduce(candidate: Candidate, p: Probes, k: Constants) -> Prediction:
     m, n = p.param_bytes, p.ranks
+    terms = {**_local(p, k), "optimizer": p.optimizer_s}
     if p.hosts == 1:  # every rank's buckets through /dev/shm: each written once, all N read and summed
-        exchange = (n + 1) * m / p.copy_Bps
+        terms["exchange"] = (n + 1) * m / p.copy_Bps
     else:  # ring: 2M(N-1)/N each way on every host link, both directions at once
-        exchange = 2 * m * (n - 1) / n / p.link_Bps
-    return Prediction(candidate, {**_local(p, k), "optimizer": p.optimizer_s, "exchange": exchange,
-                                  "round": k.allreduce_round_s if p.hosts == 1 else k.ring_round_s})
+        ring = 2 * m * (n - 1) / n
+        terms["exchange"] = ring / p.link_Bps
+        terms["burst"] = -min(ring, p.burst_bytes) / p.link_Bps
+    ring_round = k.allreduce_round_s if p.hosts == 1 else 2 * (n - 1) * k.ring_step_s
+    terms["round"] = ring_round * p.cpu_share
+    return Prediction(candidate, terms)
 
 
 def _local(p: Probes, k: Constants) -> dict[str, float]:
     """What every strategy's step spends on its rank before it communicates."""
-    return {"compute": p.compute_s, "data": p.data_s, "loop": k.loop_s}
+    return {"compute": p.compute_s, "data": p.data_s, "loop": k.loop_s * p.cpu_share}
 
 
-def _links(candidate: Candidate, p: Probes, up: float, down: float) -> tuple[float, float]:
-    """Seconds to move one rank's push of ``up`` and pull of ``down`` bytes with every rank doing the same."""
+def _links(candidate: Candidate, p: Probes, up: float, down: float, burst: float = 0.0) -> tuple[float, float]:
+    """Seconds to move one rank's push of ``up`` and pull of ``down`` bytes with every rank doing the same;
+    ``burst``: the bytes each direction of a host link passes at once (the link idled since its last phase)."""
     n, h, r = p.ranks, p.hosts, p.ranks_per_host
     if p.same_host or (candidate.placement == "hosts" and h == 1):
         return up / p.copy_Bps, down / p.copy_Bps
+
+    def host(nbytes: float) -> float:
+        return max(0.0, nbytes - burst) / p.link_Bps
+
     if candidate.placement == "hosts":  # a host sends its ranks' foreign slices and its shard's answers
         share = (h - 1) / h
-        return (max(r * up * share, (n - r) * up / h) / p.link_Bps,
-                max(r * down * share, (n - r) * down / h) / p.link_Bps)
+        return host(max(r * up * share, (n - r) * up / h)), host(max(r * down * share, (n - r) * down / h))
     # driver: each host link carries its ranks' bytes, the driver's link every rank's
-    return (max(r * up / p.link_Bps, n * up / p.driver_Bps), max(r * down / p.link_Bps, n * down / p.driver_Bps))
+    return max(host(r * up), n * up / p.driver_Bps), max(host(r * down), n * down / p.driver_Bps)
 
 
 def _ps(candidate: Candidate, p: Probes, topk_ratio: float, sync_every: int, k: Constants) -> Prediction:
@@ -134,13 +144,18 @@ def _ps(candidate: Candidate, p: Probes, topk_ratio: float, sync_every: int, k: 
         terms["compress"] = m * p.topk_s_per_byte
     elif not averaging and candidate.compression in ("fp16", "bf16"):
         terms["compress"] = m * p.cast_s_per_byte
-    push, pull = _links(candidate, p, m * ratio, m + p.buffer_bytes)
+    up, down = m * ratio, m + p.buffer_bytes
+    push, pull = _links(candidate, p, up, down)
     server = n * m / shards / p.server_Bps  # every rank's slice summed, then one optimizer step
     every = sync_every if averaging else 1
     terms["push"], terms["pull"] = push / every, pull / every
+    rows_up = rows_down = 0.0
     if p.sparse_bytes:
         rows_up, rows_down = _links(candidate, p, p.sparse_bytes, p.sparse_bytes)
         terms["sparse rows"] = rows_up + rows_down
+    if p.burst_bytes:  # each direction's phases of a step run back to back, then the link idles (compute)
+        with_burst = _links(candidate, p, up + p.sparse_bytes, down + p.sparse_bytes, p.burst_bytes)
+        terms["burst"] = (sum(with_burst) - push - pull - rows_up - rows_down) / every
         terms["sparse client"] = p.sparse_rows * k.sparse_row_s
         # every rank's rows looked up and stepped by the server(s): a host's shard holds 1/H of each rank's rows
         terms["sparse server"] = n * p.sparse_server_s / shards
@@ -154,12 +169,12 @@ def _ps(candidate: Candidate, p: Probes, topk_ratio: float, sync_every: int, k: 
         terms["server"] = busy * m / shards / p.server_Bps
         if p.sparse_bytes:
             terms["sparse server"] = busy * p.sparse_server_s / shards
-        terms["round"] = k.async_round_s
+        terms["round"] = k.async_round_s * p.cpu_share
         cycle = sum(terms.values())
         bound = max(n / busy * (terms["server"] + terms.get("sparse server", 0.0)),
                     n * m * ratio / p.driver_Bps if candidate.placement == "driver" and not p.same_host else 0.0)
         terms["queue"] = max(0.0, bound - cycle)
     else:
         terms["server"] = server / every
-        terms["round"] = round_s[candidate.mode] / every
+        terms["round"] = round_s[candidate.mode] * p.cpu_share / every
     return Prediction(candidate, terms)

@@ -10,7 +10,9 @@ handler from its dispatch table:
 * ``{"op": "done"}``: the probe is over.
 
 A rate is timed from the moment the first ``SKIP_BYTES`` have arrived to the last byte, so a rate limiter's
-burst allowance (tc tbf's 256 KB on the testbed) and TCP's slow start do not pass for link speed. The
+burst allowance (tc tbf's 256 KB on the testbed) and TCP's slow start do not pass for link speed; the
+bytes that came before that mark faster than the rate are the link's burst (a token-bucket shaper lets
+that much through at once after an idle spell; slow start makes the estimate low, never high). The
 first host is measured alone (its own link: what allreduce and host shards move over), then every host
 at once (what the driver's link takes when every rank pushes to it together).
 """
@@ -43,6 +45,7 @@ class LinkRates:
     driver_Bps: float  # every host at once, summed (the slower direction)
     hosts: int
     seconds: float     # how long the probe took
+    burst_bytes: float = 0.0  # what one host's link lets through faster than its rate after an idle spell
 
 
 def _send_msg(sock: socket.socket, obj: dict) -> None:
@@ -71,18 +74,21 @@ def _recv_msg(sock: socket.socket) -> dict:
     return obj
 
 
-def _drain_timed(sock: socket.socket, n: int) -> float:
-    """Receive n bytes; seconds from the SKIP_BYTES mark to the last byte (per byte counted after the mark)."""
+def _drain_timed(sock: socket.socket, n: int) -> tuple[float, float]:
+    """Receive n bytes: (seconds n bytes take at the rate timed from the SKIP_BYTES mark to the last byte,
+    the bytes that came faster than that rate before the mark: a shaper's burst allowance)."""
     buf = bytearray(min(n, CHUNK))
-    view, got, mark = memoryview(buf), 0, None
+    view, got, mark, first = memoryview(buf), 0, None, None
     while got < n:
         k = sock.recv_into(view[: min(len(buf), n - got)])
         if not k:
             raise PSError("the link probe's peer closed the connection mid-transfer")
         got += k
+        first = first or time.perf_counter()
         if mark is None and got >= SKIP_BYTES:
             mark, marked = time.perf_counter(), got
-    return max(time.perf_counter() - mark, 1e-6) * (n / max(n - marked, 1))
+    rate = max(n - marked, 1) / max(time.perf_counter() - mark, 1e-6)
+    return n / rate, max(0.0, marked - rate * (mark - first))
 
 
 def _send_zeros(sock: socket.socket, n: int) -> None:
@@ -99,7 +105,8 @@ def _on_send(sock: socket.socket, request: dict) -> None:
 
 
 def _on_recv(sock: socket.socket, request: dict) -> None:
-    _send_msg(sock, {"seconds": _drain_timed(sock, int(request["bytes"]))})
+    seconds, burst = _drain_timed(sock, int(request["bytes"]))
+    _send_msg(sock, {"seconds": seconds, "burst": burst})
 
 
 HANDLERS: dict[str, Callable[[socket.socket, dict], None]] = {"send": _on_send, "recv": _on_recv}
@@ -246,14 +253,15 @@ class LinkProbeServer:
         self._thread.join(timeout=seconds)
         return self.rates
 
-    def _up(self, sock: socket.socket) -> float:
+    def _up(self, sock: socket.socket) -> tuple[float, float]:
         _send_msg(sock, {"op": "send", "bytes": self.transfer_bytes})
         return _drain_timed(sock, self.transfer_bytes)
 
-    def _down(self, sock: socket.socket) -> float:
+    def _down(self, sock: socket.socket) -> tuple[float, float]:
         _send_msg(sock, {"op": "recv", "bytes": self.transfer_bytes})
         _send_zeros(sock, self.transfer_bytes)
-        return float(_recv_msg(sock)["seconds"])
+        answer = _recv_msg(sock)
+        return float(answer["seconds"]), float(answer.get("burst", 0.0))
 
     def _measure(self) -> LinkRates:
         started = time.perf_counter()
@@ -261,12 +269,11 @@ class LinkProbeServer:
         for sock in socks:
             sock.settimeout(self.timeout.seconds)
         n = self.transfer_bytes
-        first = socks[0]
-        link = n / max(self._up(first), self._down(first))
-        driver = link
+        (up, up_burst), (down, down_burst) = self._up(socks[0]), self._down(socks[0])
+        link, driver = n / max(up, down), n / max(up, down)
         if len(socks) > 1:
             with ThreadPoolExecutor(len(socks)) as pool:
-                up = max(pool.map(self._up, socks))
-                down = max(pool.map(self._down, socks))
+                up = max(t for t, _ in pool.map(self._up, socks))
+                down = max(t for t, _ in pool.map(self._down, socks))
             driver = len(socks) * n / max(up, down)
-        return LinkRates(link, driver, len(socks), time.perf_counter() - started)
+        return LinkRates(link, driver, len(socks), time.perf_counter() - started, min(up_burst, down_burst))

@@ -9,7 +9,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
-RESULT_DDL = ("rank int, host string, kernel string, hosts int, ranks_per_host int, compute_s double, data_s double, "
+RESULT_DDL = ("rank int, host string, kernel string, cores int, hosts int, ranks_per_host int, compute_s double, data_s double, "
               "optimizer_s double, topk_s_per_byte double, cast_s_per_byte double, copy_Bps double, task_s double, "
               "link_s double, error string")
 COMPUTE_BUDGET_S = 0.2  # timed steps of the forward/backward past the minimum, at most this long
@@ -99,6 +99,16 @@ def kernel_id() -> str:
         return socket.gethostname()
 
 
+def cores() -> int:
+    """The CPUs this process may run on (its affinity, which a container or Spark's cgroup narrows)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def make_probe_fn(wiring: ProbeWiring) -> Callable[[Iterator], Iterator]:
     def probe(_batches: Iterator) -> Iterator:
         started = time.perf_counter()
@@ -114,7 +124,7 @@ def make_probe_fn(wiring: ProbeWiring) -> Callable[[Iterator], Iterator]:
         rank = context.partitionId()
         hosts_of = [info.address.rsplit(":", 1)[0] for info in context.getTaskInfos()]
         host = hosts_of[rank]
-        row: dict[str, Optional[object]] = {"rank": rank, "host": host, "kernel": kernel_id(),
+        row: dict[str, Optional[object]] = {"rank": rank, "host": host, "kernel": kernel_id(), "cores": cores(),
                                             "hosts": len(set(hosts_of)),
                                             "ranks_per_host": max(hosts_of.count(h) for h in hosts_of),
                                             "error": None}
@@ -136,6 +146,7 @@ def make_probe_fn(wiring: ProbeWiring) -> Callable[[Iterator], Iterator]:
         names = [f.split()[0] for f in RESULT_DDL.split(", ")]
         yield pa.RecordBatch.from_pylist([{k: row.get(k) for k in names}],
                                          schema=pa.schema([(n, pa.string() if n in ("host", "kernel", "error") else
-                                                            pa.int32() if n in ("rank", "hosts", "ranks_per_host")
+                                                            pa.int32() if n in ("rank", "cores", "hosts",
+                                                                                "ranks_per_host")
                                                             else pa.float64()) for n in names]))
     return probe

@@ -189,17 +189,24 @@ def measure(spark, cfg, manifest, spec, workers: int) -> Probes:
             raise ProbeError("train.backend=auto: the strategy probe failed, so no strategy can be chosen "
                              f"({server.error or failed}); set train.backend and the ps.* keys by hand")
     hosts = {r["host"] for r in rows}
+    # ranks on one kernel over its cores (a testbed's namespaces share one machine's): > 1 stretches every
+    # step's CPU-bound fixed costs as it does the compute the probe timed
+    per_kernel: dict[str, list] = {}
+    for r in rows:
+        per_kernel.setdefault(r["kernel"], []).append(r)
+    oversubscribed = max(len(rs) / max(min(r["cores"] for r in rs), 1) for rs in per_kernel.values())
     rows_bytes, rows_count, rows_server_s = sparse_costs(cfg, spec, inputs)
     probes = Probes(ranks=workers, hosts=len(hosts), ranks_per_host=max(r["ranks_per_host"] for r in rows),
                     param_bytes=param_bytes, buffer_bytes=buffer_bytes,
                     compute_s=max(r["compute_s"] for r in rows), data_s=max(r["data_s"] for r in rows),
                     optimizer_s=max(r["optimizer_s"] for r in rows),
-                    link_Bps=rates.link_Bps, driver_Bps=rates.driver_Bps,
+                    link_Bps=rates.link_Bps, driver_Bps=rates.driver_Bps, burst_bytes=rates.burst_bytes,
                     copy_Bps=min(r["copy_Bps"] for r in rows), server_Bps=server_Bps(param_bytes, workers),
                     topk_s_per_byte=max(r["topk_s_per_byte"] for r in rows),
                     cast_s_per_byte=max(r["cast_s_per_byte"] for r in rows),
                     sparse_bytes=rows_bytes, sparse_rows=rows_count, sparse_server_s=rows_server_s,
                     same_host=len(hosts) == 1 and all(is_local_address(h) for h in hosts),
+                    cpu_share=max(1.0, oversubscribed),
                     shared_cpu={r["kernel"] for r in rows} == {kernel_id()})
     log.info("strategy probes took %.2f s (the tasks %.2f s, of it the link probe %.2f s): %s",
              time.perf_counter() - started, max(r["task_s"] for r in rows),

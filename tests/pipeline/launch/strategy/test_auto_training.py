@@ -51,3 +51,18 @@ def test_the_same_config_again_takes_the_cached_probes(auto_run, spark):
     assert decision.probes.source == "cached"
     assert resolved.train.backend in ("ps", "allreduce") and resolved.ps.placement in ("driver", "hosts")
     assert list((cfg_workdir := __import__("pathlib").Path(cfg.workdir) / "strategy").glob("probes-*.json")), cfg_workdir
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_what_the_checkpoint_fixed(auto_run, spark):
+    from pipeline.config.loader import with_changes
+    from pipeline.launch.train import resolve_strategy
+
+    cfg, _ = auto_run
+    fixed = with_changes(cfg, name="resumable", train={"backend": "ps", "epochs": 1}, ps={"placement": "driver"})
+    steps.run_all(spark, fixed)  # its final checkpoint: ps.mode=sync
+    again = with_changes(fixed, train={"backend": "auto", "auto": {"allow": ["async"]}},
+                         ps={"mode": "auto", "placement": "auto"})
+    _, decision = resolve_strategy(spark, again, steps.load_shards(again), resume=True)
+    names = {r.candidate.name for r in decision.rows}
+    assert names == {"ps driver sync", "ps hosts sync"}  # no allreduce (no server state), async not the checkpoint's
