@@ -47,7 +47,8 @@ class Decision:
         lines.append("")
         lines.append(f"Probes ({p.source}): N={p.ranks} ranks on {p.hosts} host(s) ({p.ranks_per_host} a host), "
                      f"M={p.param_bytes / 1e6:.3f} MB, forward+backward {p.compute_s * 1e3:.2f} ms, link "
-                     f"{p.link_Bps * 8 / 1e9:.3g} Gbit/s, driver link {p.driver_Bps * 8 / 1e9:.3g} Gbit/s"
+                     f"{p.link_Bps * 8 / 1e9:.3g} Gbit/s, driver link " + (
+                         "not limiting" if p.driver_Bps == float("inf") else f"{p.driver_Bps * 8 / 1e9:.3g} Gbit/s")
                      + (", every rank on the driver's host" if p.same_host else ""))
         return "\n".join(lines)
 

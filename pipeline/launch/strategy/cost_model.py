@@ -153,12 +153,12 @@ def _ps(candidate: Candidate, p: Probes, topk_ratio: float, sync_every: int, k: 
     if p.sparse_bytes:
         rows_up, rows_down = _links(candidate, p, p.sparse_bytes, p.sparse_bytes)
         terms["sparse rows"] = rows_up + rows_down
-    if p.burst_bytes:  # each direction's phases of a step run back to back, then the link idles (compute)
-        with_burst = _links(candidate, p, up + p.sparse_bytes, down + p.sparse_bytes, p.burst_bytes)
-        terms["burst"] = (sum(with_burst) - push - pull - rows_up - rows_down) / every
         terms["sparse client"] = p.sparse_rows * k.sparse_row_s
         # every rank's rows looked up and stepped by the server(s): a host's shard holds 1/H of each rank's rows
         terms["sparse server"] = n * p.sparse_server_s / shards
+    if p.burst_bytes:  # each direction's phases of a step run back to back, then the link idles (compute)
+        with_burst = _links(candidate, p, up + p.sparse_bytes, down + p.sparse_bytes, p.burst_bytes)
+        terms["burst"] = (sum(with_burst) - push - pull - rows_up - rows_down) / every
     round_s = {"sync": k.hosts_round_s if shards > 1 else k.ps_round_s, "average": k.average_round_s}
     if candidate.mode in ("async", "ssp"):
         # no round: each rank's push is applied alone, so the server and the driver's link only bound the

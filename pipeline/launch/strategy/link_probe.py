@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import struct
 import threading
@@ -37,12 +38,13 @@ MAX_MESSAGE = 64 * 1024
 SKIP_BYTES = 512 * 1024
 CHUNK = 1 << 20
 GENERATION = 0
+NOT_LIMITING = 0.8  # every host at this share of its own rate at once: the driver's link is not what limits
 
 
 @dataclass(frozen=True)
 class LinkRates:
     link_Bps: float    # one host's link, alone (the slower direction)
-    driver_Bps: float  # every host at once, summed (the slower direction)
+    driver_Bps: float  # every host at once, summed (the slower direction); inf when that was every host's own rate
     hosts: int
     seconds: float     # how long the probe took
     burst_bytes: float = 0.0  # what one host's link lets through faster than its rate after an idle spell
@@ -270,10 +272,14 @@ class LinkProbeServer:
             sock.settimeout(self.timeout.seconds)
         n = self.transfer_bytes
         (up, up_burst), (down, down_burst) = self._up(socks[0]), self._down(socks[0])
-        link, driver = n / max(up, down), n / max(up, down)
+        link = n / max(up, down)
+        driver = math.inf  # one host: the driver's link is that host's link, already counted
         if len(socks) > 1:
             with ThreadPoolExecutor(len(socks)) as pool:
                 up = max(t for t, _ in pool.map(self._up, socks))
                 down = max(t for t, _ in pool.map(self._down, socks))
-            driver = len(socks) * n / max(up, down)
+            together = len(socks) * n / max(up, down)
+            # every host still at its own rate: the driver's link did not limit them, and how much more it
+            # takes is unknown (inf: never the bottleneck in the model); else it is what they shared
+            driver = math.inf if together >= NOT_LIMITING * len(socks) * link else together
         return LinkRates(link, driver, len(socks), time.perf_counter() - started, min(up_burst, down_burst))

@@ -220,6 +220,6 @@ def measure(spark, cfg, manifest, spec, workers: int) -> Probes:
 
 def _brief(p: Probes) -> str:
     return (f"N={p.ranks} on {p.hosts} host(s), M={p.param_bytes / 1e6:.2f} MB, step compute "
-            f"{p.compute_s * 1e3:.2f} ms, link {p.link_Bps * 8 / 1e9:.3g} Gbit/s, driver link "
-            f"{p.driver_Bps * 8 / 1e9:.3g} Gbit/s")
+            f"{p.compute_s * 1e3:.2f} ms, link {p.link_Bps * 8 / 1e9:.3g} Gbit/s, burst {p.burst_bytes / 1024:.0f} KB, "
+            f"driver link {p.driver_Bps * 8 / 1e9:.3g} Gbit/s")
 

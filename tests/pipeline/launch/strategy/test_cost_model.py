@@ -112,3 +112,40 @@ def test_sixteen_hosts_at_10_gbit_with_a_100_mb_model_spread_the_server():
     driver, hosts, ring = (step_ms(n, big) for n in ("ps driver sync", "ps hosts sync", "allreduce"))
     assert driver > 5 * hosts  # 16 pushes and pulls through one 10 Gbit/s link
     assert ring == pytest.approx(hosts, rel=0.1)  # both move 2M(N-1)/N over each link
+
+
+def test_a_shapers_burst_hides_a_small_models_bytes_but_not_a_big_ones():
+    slow = dict(link_Bps=0.2 * GBIT, driver_Bps=1.6 * GBIT, burst_bytes=256 * 1024)
+    # the testbed's driver sits behind an unshaped bridge: only the hosts' links are shaped
+    small = predict(Candidate("ps", "driver", "sync", "none"), probes(param_bytes=39_000, **{**slow, "driver_Bps": 8e9}))
+    # what is left is the driver link's own 2 x 39 KB at 1 GB/s
+    assert small.terms["push"] + small.terms["pull"] + small.terms["burst"] == pytest.approx(2 * 2 * 39_000 / 8e9)
+    big = predict(Candidate("ps", "driver", "sync", "none"), probes(**slow))
+    # once a step in each direction: 2 x 256 KB at 25 MB/s
+    assert big.terms["burst"] == pytest.approx(-2 * 256 * 1024 / (0.2 * GBIT))
+    ring = predict(Candidate("allreduce"), probes(**slow))
+    assert ring.terms["burst"] == pytest.approx(-256 * 1024 / (0.2 * GBIT))  # both directions at once
+
+
+def test_ranks_sharing_cores_stretch_the_fixed_costs_not_the_bytes():
+    alone = predict(Candidate("ps", "driver", "sync", "none"), probes())
+    crowded = predict(Candidate("ps", "driver", "sync", "none"), probes(cpu_share=1.5))
+    assert crowded.terms["loop"] == pytest.approx(1.5 * alone.terms["loop"])
+    assert crowded.terms["round"] == pytest.approx(1.5 * alone.terms["round"])
+    assert crowded.terms["push"] == alone.terms["push"] and crowded.terms["compute"] == alone.terms["compute"]
+
+
+def test_async_on_the_ranks_cpus_pays_every_ranks_server_work():
+    own = predict(Candidate("ps", "driver", "async", "none"), probes(sparse_bytes=1e5, sparse_server_s=0.007))
+    shared = predict(Candidate("ps", "driver", "async", "none"),
+                     probes(sparse_bytes=1e5, sparse_server_s=0.007, shared_cpu=True))
+    assert own.terms["sparse server"] == pytest.approx(0.007)
+    assert shared.terms["sparse server"] == pytest.approx(2 * 0.007)
+
+
+def test_sparse_terms_are_there_with_or_without_a_burst():
+    for burst in (0.0, 256 * 1024):
+        terms = predict(Candidate("ps", "driver", "sync", "none"),
+                        probes(sparse_bytes=6e5, sparse_rows=3500, sparse_server_s=0.007, burst_bytes=burst)).terms
+        assert terms["sparse client"] > 0 and terms["sparse server"] == pytest.approx(2 * 0.007), terms
+        assert ("burst" in terms) == bool(burst)

@@ -24,7 +24,8 @@ def test_one_host_alone_measures_its_link():
         _client(server.address, SECRET, "hostA", 1, errors)
         rates = server.wait(10)
     assert not errors and rates is not None, (errors, server.error)
-    assert rates.hosts == 1 and rates.link_Bps > 1e7 and rates.driver_Bps == rates.link_Bps
+    assert rates.hosts == 1 and rates.link_Bps > 1e7
+    assert rates.driver_Bps == float("inf")  # one host: its own link is the one to count
 
 
 def test_every_host_at_once_gives_the_driver_link_and_a_second_task_of_a_host_is_sent_home():
