@@ -85,6 +85,33 @@ def run_scenario(spark, scenario: str, n: int, workdir: str, models: list[str], 
                   "probes": decision.probes.to_dict()})
 
 
+def repredict(rows: list[dict]) -> list[dict]:
+    """The same measurements with the predictions and picks of the cost model as it is now, from each row's
+    recorded probes (the model is a pure function of them): for a change of its constants after a run."""
+    from pipeline.config import load
+    from pipeline.launch.strategy import Probes, decide
+
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["scenario"], r["model"]), []).append(r)
+    for (scenario, model), rs in groups.items():
+        config, overrides = MODELS[model]
+        allowed = f"train.auto.allow=[{','.join(sorted({f for r in rs for f in _freedoms(r['strategy'])}))}]"
+        cfg = load(str(REPO / "conf" / config), [*overrides, *AUTO, allowed, f"parallelism.data={rs[0]['probes']['ranks']}"])
+        decision = decide(cfg, Probes(**rs[0]["probes"]))
+        by_name = {row.candidate.name: row.prediction for row in decision.rows if row.prediction is not None}
+        for r in rs:
+            prediction = by_name[r["strategy"]]
+            out.append({**r, "predicted_ms": prediction.step_s * 1e3, "pick": r["strategy"] == decision.pick.name,
+                        "terms_ms": {k: v * 1e3 for k, v in prediction.terms.items()}})
+    return out
+
+
+def _freedoms(name: str) -> list[str]:
+    return [m for m in ("async", "ssp", "average") if f" {m}" in name]
+
+
 def emit(row: dict) -> None:
     print("STRATBENCH " + json.dumps(row), flush=True)
 
@@ -161,6 +188,8 @@ def main() -> int:
     parser.add_argument("--out", help="also write the markdown table here")
     parser.add_argument("--json", action="store_true", help="also print every row as a STRATBENCH JSON line")
     parser.add_argument("--rows-out", help="also write every row (predictions, terms, probes, measurements) as JSON here")
+    parser.add_argument("--repredict", nargs="+", metavar="ROWS.json",
+                        help="no runs: the table of these --rows-out files, predicted and picked by the cost model as it is now")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -168,6 +197,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.inside:
         inside(args)
+        return 0
+    if args.repredict:
+        rows = repredict([r for path in args.repredict for r in json.loads(Path(path).read_text())])
+        print(table(rows))
         return 0
     rows: list[dict] = []
     if "one-host" in args.scenarios:

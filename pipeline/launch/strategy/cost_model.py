@@ -60,6 +60,11 @@ class Constants:
     allreduce_round_s: float = 0.0002  # DDP's bucket hooks and one shared-memory allreduce (one host)
     ring_step_s: float = 0.0006     # one of the 2(N-1) steps of gloo's TCP ring (ranks on several hosts)
     average_round_s: float = 0.0006  # one parameter average (average mode), as a PS round
+    # ps.placement=hosts with H > 2 stretches the link time by 1 + this. The bytes are the formula's
+    # (network_bench), but a rank's pushes to H-1 shards and their answers do not overlap as the formula
+    # assumes: strategy_bench measured 1.4-1.6x the link time at H=3, 1.0x at H=2. Only H=3 was measured, so
+    # larger H gets the same stretch, not an extrapolation.
+    hosts_fanout_stretch: float = 0.5
     # Ties: a strategy with fewer freedoms (allreduce, then the driver's PS, first) is kept unless another is
     # predicted faster by more than this fraction: no exactness or simplicity is given up for noise.
     prefer_within: float = 0.05
@@ -112,10 +117,12 @@ def _allreduce(candidate: Candidate, p: Probes, k: Constants) -> Prediction:
 
 def _local(p: Probes, k: Constants) -> dict[str, float]:
     """What every strategy's step spends on its rank before it communicates."""
-    return {"compute": p.compute_s, "data": p.data_s, "loop": k.loop_s * p.cpu_share}
+    # the probe's compute is its least crowded spell: ranks beyond a machine's cores share them in training
+    return {"compute": p.compute_s * p.cpu_share, "data": p.data_s, "loop": k.loop_s * p.cpu_share}
 
 
-def _links(candidate: Candidate, p: Probes, up: float, down: float, burst: float = 0.0) -> tuple[float, float]:
+def _links(candidate: Candidate, p: Probes, up: float, down: float, burst: float = 0.0,
+           k: Constants = CONSTANTS) -> tuple[float, float]:
     """Seconds to move one rank's push of ``up`` and pull of ``down`` bytes with every rank doing the same;
     ``burst``: the bytes each direction of a host link passes at once (the link idled since its last phase)."""
     n, h, r = p.ranks, p.hosts, p.ranks_per_host
@@ -126,8 +133,9 @@ def _links(candidate: Candidate, p: Probes, up: float, down: float, burst: float
         return max(0.0, nbytes - burst) / p.link_Bps
 
     if candidate.placement == "hosts":  # a host sends its ranks' foreign slices and its shard's answers
-        share = (h - 1) / h
-        return host(max(r * up * share, (n - r) * up / h)), host(max(r * down * share, (n - r) * down / h))
+        share, stretch = (h - 1) / h, 1 + (k.hosts_fanout_stretch if h > 2 else 0.0)
+        return (stretch * host(max(r * up * share, (n - r) * up / h)),
+                stretch * host(max(r * down * share, (n - r) * down / h)))
     # driver: each host link carries its ranks' bytes, the driver's link every rank's
     return max(host(r * up), n * up / p.driver_Bps), max(host(r * down), n * down / p.driver_Bps)
 
@@ -145,19 +153,19 @@ def _ps(candidate: Candidate, p: Probes, topk_ratio: float, sync_every: int, k: 
     elif not averaging and candidate.compression in ("fp16", "bf16"):
         terms["compress"] = m * p.cast_s_per_byte
     up, down = m * ratio, m + p.buffer_bytes
-    push, pull = _links(candidate, p, up, down)
+    push, pull = _links(candidate, p, up, down, k=k)
     server = n * m / shards / p.server_Bps  # every rank's slice summed, then one optimizer step
     every = sync_every if averaging else 1
     terms["push"], terms["pull"] = push / every, pull / every
     rows_up = rows_down = 0.0
     if p.sparse_bytes:
-        rows_up, rows_down = _links(candidate, p, p.sparse_bytes, p.sparse_bytes)
+        rows_up, rows_down = _links(candidate, p, p.sparse_bytes, p.sparse_bytes, k=k)
         terms["sparse rows"] = rows_up + rows_down
         terms["sparse client"] = p.sparse_rows * k.sparse_row_s
         # every rank's rows looked up and stepped by the server(s): a host's shard holds 1/H of each rank's rows
         terms["sparse server"] = n * p.sparse_server_s / shards
     if p.burst_bytes:  # each direction's phases of a step run back to back, then the link idles (compute)
-        with_burst = _links(candidate, p, up + p.sparse_bytes, down + p.sparse_bytes, p.burst_bytes)
+        with_burst = _links(candidate, p, up + p.sparse_bytes, down + p.sparse_bytes, p.burst_bytes, k=k)
         terms["burst"] = (sum(with_burst) - push - pull - rows_up - rows_down) / every
     round_s = {"sync": k.hosts_round_s if shards > 1 else k.ps_round_s, "average": k.average_round_s}
     if candidate.mode in ("async", "ssp"):

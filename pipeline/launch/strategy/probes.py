@@ -147,7 +147,11 @@ def server_Bps(param_bytes: int, ranks: int) -> float:
         momentum.mul_(0.9).add_(acc)
         weights.add_(momentum, alpha=-1e-9)
 
-    return ranks * n * 4 / typical_s(round_, 5)
+    best = typical_s(round_, 3)
+    for _ in range(2):  # best of three spells: other work on the driver spoils a spell, not the figure
+        time.sleep(0.05)
+        best = min(best, typical_s(round_, 3))
+    return ranks * n * 4 / best
 
 
 def measure(spark, cfg, manifest, spec, workers: int) -> Probes:

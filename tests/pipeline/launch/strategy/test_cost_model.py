@@ -110,8 +110,9 @@ def test_sixteen_hosts_at_10_gbit_with_a_100_mb_model_spread_the_server():
     big = probes(ranks=16, hosts=16, param_bytes=100_000_000, compute_s=0.4, optimizer_s=0.03,
                  link_Bps=10 * GBIT, driver_Bps=10 * GBIT)
     driver, hosts, ring = (step_ms(n, big) for n in ("ps driver sync", "ps hosts sync", "allreduce"))
-    assert driver > 5 * hosts  # 16 pushes and pulls through one 10 Gbit/s link
-    assert ring == pytest.approx(hosts, rel=0.1)  # both move 2M(N-1)/N over each link
+    assert driver > 4 * hosts  # 16 pushes and pulls through one 10 Gbit/s link
+    # both move 2M(N-1)/N over each link; the host shards' fan-out costs the stretch measured at H=3
+    assert ring < hosts < 1.6 * ring
 
 
 def test_a_shapers_burst_hides_a_small_models_bytes_but_not_a_big_ones():
@@ -127,12 +128,13 @@ def test_a_shapers_burst_hides_a_small_models_bytes_but_not_a_big_ones():
     assert ring.terms["burst"] == pytest.approx(-256 * 1024 / (0.2 * GBIT))  # both directions at once
 
 
-def test_ranks_sharing_cores_stretch_the_fixed_costs_not_the_bytes():
+def test_ranks_sharing_cores_stretch_the_cpu_work_not_the_bytes():
     alone = predict(Candidate("ps", "driver", "sync", "none"), probes())
     crowded = predict(Candidate("ps", "driver", "sync", "none"), probes(cpu_share=1.5))
     assert crowded.terms["loop"] == pytest.approx(1.5 * alone.terms["loop"])
     assert crowded.terms["round"] == pytest.approx(1.5 * alone.terms["round"])
-    assert crowded.terms["push"] == alone.terms["push"] and crowded.terms["compute"] == alone.terms["compute"]
+    assert crowded.terms["compute"] == pytest.approx(1.5 * alone.terms["compute"])  # the least crowded spell, shared
+    assert crowded.terms["push"] == alone.terms["push"]
 
 
 def test_async_on_the_ranks_cpus_pays_every_ranks_server_work():
