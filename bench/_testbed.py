@@ -47,3 +47,19 @@ def run_on_testbed(script: str, hosts: list[int], *, tag: str, prefix: str,
                     print("".join(tail), file=sys.stderr)
                     return 1, rows
     return 0, rows
+
+
+def parse_or_run_inside(parser, inside: Callable[[object], None]):
+    """The arguments of a multi-host bench, with the hidden ones its spark-submit application gets (``--inside
+    --state --workdir --n``); inside that application, ``inside(args)`` runs and None is returned."""
+    import argparse
+
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inside:
+        inside(args)
+        return None
+    return args

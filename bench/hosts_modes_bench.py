@@ -80,12 +80,10 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each mode and placement (alternating)")
-    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.inside:
-        inside(args)
+    from _testbed import parse_or_run_inside
+
+    args = parse_or_run_inside(parser, inside)
+    if args is None:
         return 0
     from _testbed import run_on_testbed
 

@@ -171,13 +171,10 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
     parser.add_argument("--out", help="also write the markdown table here")
-    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--state", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.inside:
-        inside(args)
+    from _testbed import parse_or_run_inside
+
+    args = parse_or_run_inside(parser, inside)
+    if args is None:
         return 0
     from _testbed import run_on_testbed
 

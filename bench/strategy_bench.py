@@ -190,13 +190,10 @@ def main() -> int:
     parser.add_argument("--rows-out", help="also write every row (predictions, terms, probes, measurements) as JSON here")
     parser.add_argument("--repredict", nargs="+", metavar="ROWS.json",
                         help="no runs: the table of these --rows-out files, predicted and picked by the cost model as it is now")
-    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--state", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.inside:
-        inside(args)
+    from _testbed import parse_or_run_inside
+
+    args = parse_or_run_inside(parser, inside)
+    if args is None:
         return 0
     if args.repredict:
         rows = repredict([r for path in args.repredict for r in json.loads(Path(path).read_text())])
