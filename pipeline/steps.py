@@ -156,7 +156,8 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
         run.log_params({**cfg.model_dump(mode="json"), **({"parallelism.data_asked": asked}
                                                           if asked != cfg.parallelism.data else {})})
     if strategy is not None:
-        _log_strategy(run, strategy, resume)
+        run.log_strategy(strategy.pick.name, strategy.predicted.step_s * 1e3, strategy.table(), strategy.to_dict(),
+                         resume=resume)
     run.set_tags({"shardline.fingerprint": manifest.fingerprint, "shardline.workers": str(cfg.parallelism.data)})
     run.log_manifest(manifest)  # manifest.json + vocabularies: what scoring rebuilds the preprocessing from
     run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),
@@ -199,22 +200,6 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
         (Path(tmp) / "model.pt").write_bytes(saved)
         run.log_file(Path(tmp) / "model.pt", MODEL_ARTIFACT_DIR)  # spec + flat parameters: what promotion re-scores with
     return result
-
-
-def _log_strategy(run, strategy, resume: bool) -> None:
-    """train.backend=auto: the pick as a param (strategy.pick) and tag, the table and its figures as artifacts."""
-    import json
-    import tempfile
-
-    if not resume:
-        run.log_params({"strategy.pick": strategy.pick.name,
-                        "strategy.predicted_step_ms": round(strategy.predicted.step_s * 1e3, 3)})
-    run.set_tags({"shardline.strategy": strategy.pick.name})
-    with tempfile.TemporaryDirectory(prefix="shardline-strategy-") as tmp:
-        (Path(tmp) / "candidates.md").write_text(strategy.table() + "\n")
-        (Path(tmp) / "candidates.json").write_text(json.dumps(strategy.to_dict(), indent=1, default=str))
-        for name in ("candidates.md", "candidates.json"):
-            run.log_file(Path(tmp) / name, "strategy")
 
 
 def _evaluate_into(run, spark, cfg: PipelineConfig, manifest: Manifest, spec, parameters):

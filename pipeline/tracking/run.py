@@ -243,6 +243,17 @@ class TrackedRun:
             raise FileNotFoundError(f"cannot log {path} to run {self.run_id}: not a file")
         self._client.log_artifact(self.run_id, str(path), artifact_dir)
 
+    def log_strategy(self, pick: str, predicted_step_ms: float, table: str, record: Mapping[str, object], *,
+                     resume: bool = False) -> None:
+        """train.backend=auto's choice: the params strategy.pick and strategy.predicted_step_ms (not again on a
+        resumed run: MLflow refuses to change a param), the tag shardline.strategy, and the table and every
+        figure as the artifacts strategy/candidates.md and strategy/candidates.json."""
+        if not resume:
+            self.log_params({"strategy.pick": pick, "strategy.predicted_step_ms": round(predicted_step_ms, 3)})
+        self.set_tags({"shardline.strategy": pick})
+        self._client.log_text(self.run_id, table + "\n", "strategy/candidates.md")
+        self._client.log_dict(self.run_id, dict(record), "strategy/candidates.json")
+
     def set_tags(self, tags: Mapping[str, str]) -> None:
         from mlflow.entities import RunTag
 

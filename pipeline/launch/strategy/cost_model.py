@@ -4,7 +4,7 @@ Pure arithmetic: the figures come from the launch probes (``probes.py``) or, for
 what the user assumes. A step here is one batch on every rank (what the ranks' own clock measures), so the
 strategies compare on samples/s. The byte counts are the per-link formulas of docs/training.md ("Bytes a
 synchronous dense step moves"), which bench/network_bench.py measured to within 0.3 %; docs/training.md
-("How auto chooses") walks through every term.
+("Choosing the strategy") walks through every term.
 
 Why hand-written: no library models a parameter server against a ring allreduce on measured links; the
 terms are few and each is a measured rate times a byte count.
@@ -50,7 +50,7 @@ class Probes:
 @dataclass(frozen=True)
 class Constants:
     """Fixed costs per step that no rate explains (wake-ups, request handling, the barrier of a round), in
-    seconds; where each comes from is docs/training.md "How auto chooses" (bench/strategy_bench.py fits)."""
+    seconds; where each comes from is docs/training.md "Choosing the strategy" (bench/strategy_bench.py fits)."""
 
     loop_s: float = 0.00045         # a training step's own bookkeeping (loader hand-off, timers, loss readout)
     sparse_row_s: float = 6e-6      # a worker's share per distinct row: ids made unique, rows gathered, grads merged
@@ -95,7 +95,7 @@ def _push_ratio(compression: str, topk_ratio: float) -> float:
 
 def predict(candidate: Candidate, p: Probes, *, topk_ratio: float = 0.01, sync_every: int = 4,
             k: Constants = CONSTANTS) -> Prediction:
-    """The candidate's time per step, term by term (docs/training.md "How auto chooses")."""
+    """The candidate's time per step, term by term (docs/training.md "Choosing the strategy")."""
     if candidate.backend == "allreduce":
         return _allreduce(candidate, p, k)
     return _ps(candidate, p, topk_ratio, sync_every, k)
@@ -174,12 +174,14 @@ def _ps(candidate: Candidate, p: Probes, topk_ratio: float, sync_every: int, k: 
         # a server on the ranks' own CPUs (host shards; one machine) takes its work for every rank's push from
         # the cores they compute on: nothing of it overlaps
         busy = n if (candidate.placement == "hosts" or p.shared_cpu) else 1
-        terms["server"] = busy * m / shards / p.server_Bps
+        own = m / shards / p.server_Bps  # one push's apply
+        own_rows = p.sparse_server_s / shards if p.sparse_bytes else 0.0
+        terms["server"] = busy * own
         if p.sparse_bytes:
-            terms["sparse server"] = busy * p.sparse_server_s / shards
+            terms["sparse server"] = busy * own_rows
         terms["round"] = k.async_round_s * p.cpu_share
         cycle = sum(terms.values())
-        bound = max(n / busy * (terms["server"] + terms.get("sparse server", 0.0)),
+        bound = max(n * (own + own_rows),
                     n * m * ratio / p.driver_Bps if candidate.placement == "driver" and not p.same_host else 0.0)
         terms["queue"] = max(0.0, bound - cycle)
     else:

@@ -56,16 +56,12 @@ def matmul_flops() -> float:
 def _flat_costs(param_bytes: int, topk_ratio: float) -> dict:
     import torch
 
-    from pipeline.launch.strategy.probe_task import typical_s
+    from pipeline.launch.strategy.probe_task import flat_costs, typical_s
 
     n = max(1, min(param_bytes, 64 << 20) // 4)
-    flat, target, momentum = torch.randn(n), torch.empty(n), torch.zeros(n)
-    per_byte = n * 4
-    keep = max(1, int(n * topk_ratio))
-    return {"optimizer_s": typical_s(lambda: momentum.mul_(0.9).add_(flat), 3) * param_bytes / per_byte,
-            "topk_s_per_byte": typical_s(lambda: torch.topk(flat.abs(), keep, sorted=False), 3) / per_byte,
-            "cast_s_per_byte": typical_s(lambda: flat.to(torch.float16), 3) / per_byte,
-            "copy_Bps": per_byte / typical_s(lambda: target.copy_(flat), 3)}
+    flat, momentum = torch.randn(n), torch.zeros(n)
+    return {"optimizer_s": typical_s(lambda: momentum.mul_(0.9).add_(flat), 3) * param_bytes / (n * 4),
+            **flat_costs(flat, topk_ratio, 3)}
 
 
 def assumed_probes(cfg, manifest, spec, a: Assumed) -> Probes:

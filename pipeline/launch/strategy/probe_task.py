@@ -45,6 +45,17 @@ def typical_s(fn: Callable[[], Any], repeats: int, budget_s: float = 0.0, most: 
     return sorted(times)[len(times) // 4]
 
 
+def best_of_spells(fn: Callable[[], Any], repeats: int, budget_s: float = 0.0) -> float:
+    """The best of SPELLS ``typical_s`` spells SPELL_GAP_S apart: a burst of other work on the machine (a JVM
+    compiling after the ETL, a sibling task's imports) spoils a spell, and what every spell pays is what a
+    step pays."""
+    best = typical_s(fn, repeats, budget_s / SPELLS)
+    for _ in range(SPELLS - 1):
+        time.sleep(SPELL_GAP_S)
+        best = min(best, typical_s(fn, repeats, budget_s / SPELLS))
+    return best
+
+
 def read_batch(files, fields, batch_size: int):
     """(inputs, labels, seconds a batch's rows take to read): the first row group of the train split, read
     and decoded by the training loader's reader, its second (warm: imports and the file's metadata are not a
@@ -73,24 +84,24 @@ def local_costs(model, inputs, labels, loss, *, topk_ratio: float, repeats: int,
         model.zero_grad(set_to_none=True)
         loss(model(inputs), labels).backward()
 
-    # three spells apart: a burst of other work on the machine (a JVM compiling after the ETL, a sibling
-    # task's imports) spoils a spell, and what every spell pays is what a step pays
-    compute = typical_s(step, repeats, budget_s / SPELLS)
-    for _ in range(SPELLS - 1):
-        time.sleep(SPELL_GAP_S)
-        compute = min(compute, typical_s(step, repeats, budget_s / SPELLS))
+    compute = best_of_spells(step, repeats, budget_s)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-9, momentum=0.9)
     optimizer_s = typical_s(optimizer.step, repeats)
     flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]) if params else torch.zeros(1)
+    return {"compute_s": compute, "optimizer_s": optimizer_s, **flat_costs(flat, topk_ratio, repeats)}
+
+
+def flat_costs(flat, topk_ratio: float, repeats: int) -> dict[str, float]:
+    """Per-byte costs of a gradient ``flat`` (fp32): its top-k selection, a half-precision cast, a copy."""
+    import torch
+
     nbytes = max(flat.numel() * 4, 1)
     keep = max(1, int(flat.numel() * topk_ratio))
-    topk = typical_s(lambda: torch.topk(flat.abs(), keep, sorted=False), repeats) / nbytes
-    cast = typical_s(lambda: flat.to(torch.float16), repeats) / nbytes
     target = torch.empty_like(flat)
-    copy = nbytes / typical_s(lambda: target.copy_(flat), repeats)
-    return {"compute_s": compute, "optimizer_s": optimizer_s, "topk_s_per_byte": topk, "cast_s_per_byte": cast,
-            "copy_Bps": copy}
+    return {"topk_s_per_byte": typical_s(lambda: torch.topk(flat.abs(), keep, sorted=False), repeats) / nbytes,
+            "cast_s_per_byte": typical_s(lambda: flat.to(torch.float16), repeats) / nbytes,
+            "copy_Bps": nbytes / typical_s(lambda: target.copy_(flat), repeats)}
 
 
 def kernel_id() -> str:

@@ -71,29 +71,23 @@ def first_batch(manifest, batch_size: int):
         raise PSError(f"{manifest.root}: {exc}") from None
 
 
-def batch_tables(spec) -> list:
-    """The TableSpecs of the model's sparse tables."""
-    from pipeline.models import build_model
-
-    return [m.spec for m in build_model(spec).modules() if getattr(m, "shardline_sparse", False)]
-
-
-def batch_rows(spec, inputs: dict) -> dict[str, Any]:
-    """ps.sparse: each table's distinct ids in one batch (what a step pulls, and pushes gradients of): {name: ids}."""
+def batch_rows(spec, inputs: dict) -> dict[str, tuple[Any, Any]]:
+    """ps.sparse: each table's module and its distinct ids in one batch (what a step pulls, and pushes gradients
+    of): {name: (module, ids)}."""
     import torch
 
     from pipeline.models import build_model
 
     model = build_model(spec)
     tables = [m for m in model.modules() if getattr(m, "shardline_sparse", False)]
-    seen: dict[str, Any] = {}
+    seen: dict[str, tuple[Any, Any]] = {}
 
     class Recording:
         def __init__(self, inner):
             self.inner = inner
 
         def rows(self, module, ids):
-            seen[module.spec.name] = ids.cpu().numpy().copy()
+            seen[module.spec.name] = (module, ids.cpu().numpy().copy())
             return self.inner.rows(module, ids)
 
     for table in tables:
@@ -116,26 +110,27 @@ def sparse_costs(cfg, spec, inputs: dict) -> tuple[float, float, float]:
     seen = batch_rows(spec, inputs)
     if not seen:
         return 0.0, 0.0, 0.0
-    sparse = tables_spec(cfg, spec, [])
+    sparse = tables_spec(cfg, spec, [module for module, _ in seen.values()])
     tables = {t.name: SparseTable(t, sparse.optimizer, shards=sparse.row_shards, policy=sparse.policy)
-              for t in batch_tables(spec)}
-    nbytes = sum(len(ids) * tables[name].spec.dim * 4 for name, ids in seen.items())
+              for t in sparse.tables}
+    ids_of = {name: ids for name, (_, ids) in seen.items()}
+    nbytes = sum(len(ids) * tables[name].spec.dim * 4 for name, ids in ids_of.items())
     step = [0]
 
     def serve():  # what the server does for one rank's step: its rows looked up, then their gradients applied
         step[0] += 1
-        for name, ids in seen.items():
+        for name, ids in ids_of.items():
             rows = tables[name].lookup(ids, step[0])
             tables[name].apply(ids, torch.ones_like(rows), step[0])
 
-    return float(nbytes), float(sum(len(ids) for ids in seen.values())), typical_s(serve, 3)
+    return float(nbytes), float(sum(len(ids) for ids in ids_of.values())), typical_s(serve, 3)
 
 
 def server_Bps(param_bytes: int, ranks: int) -> float:
     """The driver's sum of ``ranks`` pushes and one SGD step, per byte of one push (cost_model.Probes)."""
     import torch
 
-    from pipeline.launch.strategy.probe_task import typical_s
+    from pipeline.launch.strategy.probe_task import best_of_spells
 
     n = max(1, min(param_bytes, MAX_TIMED_BYTES) // 4)
     acc, grad, weights, momentum = (torch.zeros(n) for _ in range(4))
@@ -147,11 +142,7 @@ def server_Bps(param_bytes: int, ranks: int) -> float:
         momentum.mul_(0.9).add_(acc)
         weights.add_(momentum, alpha=-1e-9)
 
-    best = typical_s(round_, 3)
-    for _ in range(2):  # best of three spells: other work on the driver spoils a spell, not the figure
-        time.sleep(0.05)
-        best = min(best, typical_s(round_, 3))
-    return ranks * n * 4 / best
+    return ranks * n * 4 / best_of_spells(round_, 3)
 
 
 def measure(spark, cfg, manifest, spec, workers: int) -> Probes:
