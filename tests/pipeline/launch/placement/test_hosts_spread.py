@@ -50,9 +50,11 @@ def test_a_checkpoint_resumes_across_placements_both_ways(spark, digits, first, 
 
     cfg, manifest = digits
     steps = steps_per_epoch(manifest, 2, cfg.train.batch_size) * cfg.train.epochs
+    # Rank 0 lags 30 ms a step: digits' steps take ~1 ms, and a run at full speed reached the failing step
+    # before the 0.1 s checkpoint poll had the shards write one set of parts (CI, stop 52).
     failing = with_changes(cfg, name=f"hosts-resume-{first}-{then}", ps={"placement": first},
                            train={"checkpoint_every": 10, "max_attempts": 1},
-                           faults={"fail_rank": 1, "fail_step": steps // 2})
+                           faults={"fail_rank": 1, "fail_step": steps // 2, "delay_rank": 0, "delay_ms": 30})
     with pytest.raises(WorkerTrainingFailedError, match="injected failure on rank 1"):
         train(spark, failing, manifest)
     if first == "hosts":  # the shards wrote their parts themselves; the checkpoint files name them
@@ -64,8 +66,8 @@ def test_a_checkpoint_resumes_across_placements_both_ways(spark, digits, first, 
         records = [store.load(info)["ps"] for info in store.list()]
         sets = [r for r in records if "parts" in r]
         assert sets and all(len(r["parts"]) == 1 and "params" not in r for r in sets), records
-    resumed = train(spark, with_changes(failing, ps={"placement": then}, faults={"fail_rank": None}), manifest,
-                    resume=True)
+    healthy = with_changes(failing, ps={"placement": then}, faults={"fail_rank": None, "delay_rank": None})
+    resumed = train(spark, healthy, manifest, resume=True)
     assert 0 < resumed.resumed_from_step <= steps // 2
     assert resumed.steps == steps
     assert [r["epoch"] for r in resumed.history] == list(range(cfg.train.epochs))
