@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(PY) $(PIP) -c $(CONSTRAINTS) torch==2.13.0
-	$(PY) $(PIP) -c $(CONSTRAINTS) -e '.[test]'
+	$(PY) $(PIP) -c $(CONSTRAINTS) -e '.[test,delta,iceberg]'
 	touch $(STAMP)
 
 $(LTS_STAMP): pyproject.toml $(LTS_CONSTRAINTS)

@@ -34,6 +34,12 @@ class ManifestError(DataError):
     """A shard manifest is missing, unreadable or does not match the shards on disk."""
 
 
+class TableError(DataError):
+    """A Delta or Iceberg table cannot be read or written as asked: a version, snapshot or time it does not
+    have, a path that is not a table, an unknown catalog, a feature its reader cannot honour. Names the
+    table and the fix; nothing was written."""
+
+
 class PSError(ShardlineError):
     """The parameter server refused a request or failed a step."""
 

@@ -19,7 +19,7 @@ from pipeline.config.ps_options import PSConfig
 from pipeline.config.section import SEED as _SEED
 from pipeline.config.score import ScoreConfig
 from pipeline.config.section import Section as _Section
-from pipeline.config.sources import ClicksConfig, SyntheticConfig
+from pipeline.config.sources import ClicksConfig, IcebergConfig, SyntheticConfig, table_pin_problem
 from pipeline.config.train_options import DivergenceConfig, EarlyStoppingConfig, ScheduleConfig, check_combinations
 from pipeline.config.tune import TuneConfig
 
@@ -54,14 +54,25 @@ class DataConfig(_Section):
     """Where the data comes from and how it is prepared."""
 
     # where rows come from: a built-in data set (digits, digits_images, synthetic, clicks), your csv/parquet
-    # path, or a catalog table or view (data.source=table, data.path=its name)
-    source: Literal["digits", "digits_images", "csv", "parquet", "table", "synthetic", "clicks"] = "digits"
-    # Input path for csv/parquet, the table or view name for table; for the built-in sources, where the raw
-    # Parquet data is landed
+    # path, a catalog table or view (data.source=table, data.path=its name), or a lakehouse table read at a
+    # pinned version: delta (data.path: the table's folder or URL) or iceberg (data.path: namespace.table in
+    # the catalog data.iceberg); both need the extra shardline[delta] / shardline[iceberg].
+    source: Literal["digits", "digits_images", "csv", "parquet", "table", "synthetic", "clicks", "delta",
+                    "iceberg"] = "digits"
+    # Input path for csv/parquet/delta, the table or view name for table, the identifier for iceberg; for the
+    # built-in sources, where the raw Parquet data is landed
     # (default: workdir/raw/digits, workdir/raw/digits_images, workdir/raw/synthetic-<spec>, workdir/raw/clicks-<spec>).
     path: Optional[str] = Field(None, min_length=1)
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     clicks: ClicksConfig = Field(default_factory=ClicksConfig)
+    # delta: the table version to read; null: the current one, resolved once when the ETL starts (a commit
+    # made during the ETL is not read).
+    version: Optional[int] = Field(None, ge=0)
+    # iceberg: the snapshot to read; null: the current one, resolved once when the ETL starts.
+    snapshot_id: Optional[int] = None
+    # delta/iceberg: the version current at this time (ISO 8601; UTC where no offset is given).
+    timestamp: Optional[str] = Field(None, min_length=1)
+    iceberg: IcebergConfig = Field(default_factory=IcebergConfig)
     # Training loader backend: arrow (shardline's streaming row-group reader) or petastorm (optional
     # extra `shardline[petastorm]`, needs pyarrow <= 14.0.2 and numpy < 2: the LTS stack).
     reader: Literal["arrow", "petastorm"] = "arrow"
@@ -137,9 +148,14 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _path_for_file_sources(self) -> "DataConfig":
-        if self.source in ("csv", "parquet", "table") and not self.path:
-            what = "the table's name (catalog.schema.table, or a view)" if self.source == "table" else "the input"
-            raise ValueError(f"data.path is required when data.source is {self.source!r}: {what}")
+        if self.source in ("csv", "parquet", "table", "delta", "iceberg") and not self.path:
+            what = {"table": "the table's name (catalog.schema.table, or a view)", "delta": "the Delta table's folder "
+                    "or URL", "iceberg": "the table's identifier (namespace.table) in the catalog data.iceberg"}
+            raise ValueError(f"data.path is required when data.source is {self.source!r}: "
+                             f"{what.get(self.source, 'the input')}")
+        problem = table_pin_problem(self.source, self.version, self.snapshot_id, self.timestamp)
+        if problem:
+            raise ValueError(problem)
         if self.source in _GENERATED and self.path and "://" in self.path and not self.path.startswith("file://"):
             # A generated source is landed by this machine on its own disk; an object-store URL would be read
             # as a local folder named "s3:".

@@ -25,5 +25,9 @@ class ScoreConfig(Section):
     threads_per_worker: int = Field(1, ge=1, le=256)
     # classification: also write the class probabilities as an array<float> column `probability`.
     probabilities: bool = True
+    # The output: a Parquet folder, or a Delta table (its folder or URL) / an Iceberg table (namespace.table
+    # in the catalog data.iceberg) that the scores are appended to in one commit, with the model's URI and
+    # version as columns (needs shardline[delta] / shardline[iceberg]).
+    output_format: Literal["parquet", "delta", "iceberg"] = "parquet"
     # Log the counts and throughput as a new MLflow run in tracking.experiment.
     log_to_mlflow: bool = False

@@ -1,6 +1,8 @@
-"""The config sections of the generated sources (`data.synthetic`, `data.clicks`)."""
+"""The config sections of the sources: the generated ones (`data.synthetic`, `data.clicks`) and the Iceberg
+catalog (`data.iceberg`), with the pin of a lakehouse table's version (`table_pin_problem`)."""
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Optional
 
 from pydantic import Field, model_validator
@@ -50,3 +52,41 @@ class ClicksConfig(Section):
         if self.numeric + self.categorical == 0:
             raise ValueError("data.clicks needs at least one numeric or categorical column")
         return self
+
+
+class IcebergConfig(Section):
+    """`data.source: iceberg`: the catalog holding the table (data.path is its identifier, namespace.table).
+    The properties are pyiceberg's `load_catalog` ones, e.g. the SQL catalog {type: sql, uri:
+    "sqlite:////data/catalog.db", warehouse: "file:///data/warehouse"} or {type: rest, uri: "https://..."}."""
+
+    name: str = Field("default", min_length=1)  # the catalog's name (pyiceberg's, and the lineage's source URI)
+    # pyiceberg catalog properties (type, uri, warehouse, credentials); empty: pyiceberg's own ~/.pyiceberg.yaml
+    # or PYICEBERG_CATALOG__<NAME>__* environment variables.
+    catalog: dict[str, str] = Field(default_factory=dict)
+
+
+def parse_timestamp(text: str) -> datetime:
+    """An ISO 8601 time (UTC where it names no offset), or ValueError saying what is expected."""
+    try:
+        stamp = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    except ValueError:
+        raise ValueError(f"data.timestamp {text!r} is not an ISO 8601 time, e.g. 2026-12-06T18:00:00Z") from None
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
+
+
+def table_pin_problem(source: str, version: Optional[int], snapshot_id: Optional[int],
+                      timestamp: Optional[str]) -> Optional[str]:
+    """Why data.version / snapshot_id / timestamp do not fit data.source (None: they do)."""
+    if version is not None and source != "delta":
+        return f"data.version pins a Delta table's version, but data.source={source!r}" + (
+            "; an Iceberg table is pinned by data.snapshot_id" if source == "iceberg" else "")
+    if snapshot_id is not None and source != "iceberg":
+        return f"data.snapshot_id pins an Iceberg snapshot, but data.source={source!r}" + (
+            "; a Delta table is pinned by data.version" if source == "delta" else "")
+    if timestamp is not None:
+        if source not in ("delta", "iceberg"):
+            return f"data.timestamp pins a Delta or Iceberg table, but data.source={source!r}"
+        if version is not None or snapshot_id is not None:
+            return "give data.timestamp or the version (data.version / data.snapshot_id), not both"
+        parse_timestamp(timestamp)
+    return None

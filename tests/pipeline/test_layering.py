@@ -14,7 +14,8 @@ ALLOWED = {
     "config": {"storage"},
     "errors": set(),
     "storage": set(),
-    "etl": {"config", "shards", "storage"},
+    "tables": {"config", "storage"},  # Delta/Iceberg: pinned reads, changes between versions, appends
+    "etl": {"config", "shards", "storage", "tables"},
     "shards": {"config", "storage"},
     "data": {"shards", "storage"},
     "models": {"config", "ps"},  # ShardlineEmbedding: a sparse table's spec and seeded rows (pipeline.ps.sparse)
@@ -32,11 +33,11 @@ ALLOWED = {
     "notebook": set(),
     "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints",
               "storage"},
-    "workflow": {"config", "etl", "shards", "steps", "tracking"},
+    "workflow": {"config", "etl", "shards", "steps", "tracking", "tables"},
     "tune": {"config", "steps", "tracking"},
     "cli": {"config", "session", "steps", "workflow", "score", "tune"},
     "spark_ml": {"config", "etl", "launch", "evaluate", "models", "steps", "tracking"},
-    "score": {"config", "shards", "models", "tracking", "storage"},
+    "score": {"config", "shards", "models", "tracking", "storage", "tables"},
 }
 
 
