@@ -121,11 +121,12 @@ def tracking_uri(cfg: PipelineConfig) -> str:
 
 def _input_example(spark, cfg: PipelineConfig, manifest: Manifest, rows: int = 64):
     """Some RAW source rows (the served model's input form; log_model keeps the first valid ones)."""
+    from pipeline.etl.pinning import data_as_etled
     from pipeline.etl.sources import read_source
     from pipeline.tracking.served import input_example
 
     features = manifest.feature_set
-    raw = read_source(spark, cfg.data, cfg.workdir).select(*[f"`{f.name}`" for f in features]).limit(64)
+    raw = read_source(spark, data_as_etled(cfg.data, manifest.etl_report), cfg.workdir).select(*[f"`{f.name}`" for f in features]).limit(64)
     return input_example(raw.toPandas(), features, rows)
 
 

@@ -30,6 +30,10 @@ class CleanReport:
 
 def describe_input(data: DataConfig) -> str:
     """Where the rows came from, for error messages: the path and the key that sets it."""
+    if data.source == "delta" and data.version is not None:
+        return f"Delta table {data.path} at version {data.version} (data.path, data.version)"
+    if data.source == "iceberg" and data.snapshot_id is not None:
+        return f"Iceberg table {data.path} at snapshot {data.snapshot_id} (data.path, data.snapshot_id)"
     return f"data.path={data.path}" if data.path else f"the built-in {data.source} data"
 
 

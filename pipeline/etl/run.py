@@ -106,9 +106,19 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
 
     from udfs.pack import make_pack_fn
 
+    from pipeline.etl.pinning import etl_key, pin_source, reusable, source_report
+
     started = time.perf_counter()
-    data = cfg.data
-    raw = read_source(spark, data, cfg.workdir)
+    data, pinned = pin_source(cfg.data)
+    cfg = cfg.model_copy(update={"data": data})
+    key = etl_key(cfg, statistics) if pinned is not None else None
+    reused = reusable(cfg, key)
+    if reused is not None:
+        log.info("shard set %s reused: it was made from %s with these settings (fingerprint %s)", reused.root,
+                 pinned.describe(), reused.fingerprint)
+        return reused
+    source = source_report(data, pinned, key)
+    raw = read_source(spark, data, cfg.workdir, pinned)
     id_column = data.id_column or {"digits": DIGITS_ID, "digits_images": DIGITS_ID, "synthetic": SYNTHETIC_ID,
                                    "clicks": SYNTHETIC_ID}.get(data.source)
     if id_column and id_column not in raw.columns:
@@ -124,7 +134,7 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
     if not is_plain(data.features):
         from pipeline.etl.typed import run_typed_etl
 
-        return run_typed_etl(spark, cfg, selected, id_column, classes, numeric_labels, statistics, started)
+        return run_typed_etl(spark, cfg, selected, id_column, classes, numeric_labels, statistics, started, source)
     frame = cast_with_flags(selected, features, data)
     frame = dataclasses.replace(frame, df=assign_split(
         frame.df, [id_column] if id_column else features + [data.label], data.split))
@@ -150,7 +160,7 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
                         labels, numeric_labels, frame.cast_columns,
                         [c for c in frame.checked_columns if c not in frame.cast_columns],
                         restrict_labels=classes is not None)
-    etl_report = {**asdict(report), "split_rows": totals, "source": data.source, "path": data.path}
+    etl_report = {**asdict(report), "split_rows": totals, **source}
     with input_errors(data):
         manifest = write_shards(
             frame.df, pack, shards_dir(cfg), num_shards=num_shards, name=cfg.name, task=data.task,

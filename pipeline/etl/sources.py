@@ -139,8 +139,17 @@ def _read_table(spark, name: str):
         raise
 
 
-def read_source(spark, data: DataConfig, workdir: str):
-    """The configured source as a DataFrame; a missing path is an error naming it and the config key."""
+def read_source(spark, data: DataConfig, workdir: str, pinned=None):
+    """The configured source as a DataFrame; a missing path is an error naming it and the config key.
+    A Delta/Iceberg source is read at `pinned` (pipeline.etl.pinning.pin_source), else pinned here."""
+    if data.source in ("delta", "iceberg"):
+        from pipeline.tables.read import pin, table_frame
+
+        pinned = pinned or pin(data)
+        wanted = None
+        if data.features is not None:
+            wanted = data.feature_names + [data.label] + ([data.id_column] if data.id_column else [])
+        return table_frame(spark, pinned, wanted)
     if data.source == "digits":
         path = land_digits(digits_raw_path(data, workdir))
         return spark.read.parquet(str(path))

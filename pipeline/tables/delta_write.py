@@ -1,0 +1,196 @@
+"""`shardline score --output-format delta`: the predictions appended to a Delta table in one commit.
+
+Spark's tasks write the Parquet files (catalog.stage_files) into a fresh sub-folder of the table,
+`score-<id>/`; the driver then commits them all as one transaction of `add` actions (delta-rs:
+DeltaTable.create_write_transaction, or create_table_with_add_actions where no table exists yet, so the
+table is born holding the scores). Until that commit no version of the log names the files, so no reader
+sees them; a failed run deletes them.
+
+Not write_deltalake: it writes an Arrow stream from this process, so every prediction would cross to the
+driver and be written by one process; here the executors write in parallel and only the file list
+(path, rows, size) reaches the driver.
+
+Conflicts: delta-rs retries a conflicting commit on its own (silently, up to 15 times); that is turned off
+(max_commit_retries=0) so that each retry happens here: logged, after a short backoff, and after the table
+is read again and its schema checked again (a concurrent writer may have changed it).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pipeline import storage
+from pipeline.errors import TableError
+from pipeline.tables.catalog import require, stage_files
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 8  # commits tried per score run; a retry waits BACKOFF_S * 2**n (capped at 2 s) plus jitter
+BACKOFF_S = 0.1
+TOKEN_KEY = "shardline.commit"  # commitInfo metadata naming the run's commit: found again in the history
+
+
+@dataclass
+class DeltaTarget:
+    """A Delta table checked against the scores' schema before anything is written (see prepare)."""
+    output: str  # the folder or URL as given
+    uri: str  # what delta-rs opens: an absolute local path or the store URL
+    schema: Any  # pa.Schema of the scores, every column nullable
+    table: Any = None  # the DeltaTable as prepare read it; None: the commit creates the table
+    existed: bool = False  # whether the output folder was there before (else a failed run removes it)
+    folder: str = field(default_factory=lambda: f"score-{uuid.uuid4().hex[:12]}")  # the run's data sub-folder
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class Appended:
+    table: str
+    version: int
+    files: list[str]  # URLs of the committed data files
+    rows: int
+
+
+def _uri(output: str) -> str:
+    if storage.is_remote(output):
+        return output.rstrip("/")
+    _, path = storage.resolve(output)
+    return path
+
+
+def _nullable(schema):
+    import pyarrow as pa
+
+    # Every score column may be null (keep_null rows, an unregistered model's version).
+    return pa.schema([f.with_nullable(True) for f in schema])
+
+
+def _open(uri: str):
+    deltalake = require("deltalake", "delta")
+    return deltalake.DeltaTable(uri) if deltalake.DeltaTable.is_deltatable(uri) else None
+
+
+def prepare(output: str, schema) -> DeltaTarget:
+    """The Delta table at `output` (folder or URL) ready to take rows of `schema` (pa.Schema), or a TableError
+    naming what is wrong and the fix; writes nothing. A path that does not exist (or an empty folder) becomes
+    a new table at the commit."""
+    import pyarrow.fs as pafs
+
+    target = DeltaTarget(output, _uri(output), _nullable(schema))
+    target.table = _open(target.uri)
+    fs, path = storage.resolve(output)
+    kind = fs.get_file_info(path).type
+    target.existed = kind != pafs.FileType.NotFound
+    if target.table is not None:
+        check_schema(target.table, target.schema, output)
+        return target
+    if kind == pafs.FileType.File:
+        raise TableError(f"score output {output} is a file, not a Delta table; give a Delta table's folder, or a "
+                         "new path for a new table")
+    entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)) if target.existed else []
+    if entries:
+        names = sorted(e.base_name for e in entries)
+        raise TableError(f"score output {output} exists and is not a Delta table (no _delta_log/; it holds "
+                         f"{names[:3]}{' ...' if len(names) > 3 else ''}); give a Delta table's folder or a new path, "
+                         "or write Parquet there with --output-format parquet. Nothing was written")
+    return target
+
+
+def check_schema(table, schema, name: str) -> None:
+    """TableError unless the Delta table takes the scores' columns as they are: the same names and types, each
+    nullable, no partition columns and no column mapping (the files are written by name, unpartitioned)."""
+    deltalake = require("deltalake", "delta")
+    theirs = {f.name: f for f in table.schema().fields}
+    ours = {f.name: f for f in deltalake.Schema.from_arrow(schema).fields}
+    problems = [f"{n} is missing in the table" for n in ours if n not in theirs]
+    problems += [f"the table has {n}, which the scores lack" for n in theirs if n not in ours]
+    problems += [f"{n} is {theirs[n].type} in the table, the scores' is {f.type}" for n, f in ours.items()
+                 if n in theirs and theirs[n].type != f.type]
+    problems += [f"{n} is NOT NULL in the table" for n, f in theirs.items() if n in ours and not f.nullable]
+    metadata = table.metadata()
+    if metadata.partition_columns:
+        problems.append(f"the table is partitioned by {list(metadata.partition_columns)}")
+    if metadata.configuration.get("delta.columnMapping.mode", "none") != "none":
+        problems.append("the table uses column mapping")
+    if problems:
+        raise TableError(f"Delta table {name} cannot take these scores: {'; '.join(problems)}. Write to a new "
+                         f"table, or align the scores (score.keep_columns, score.probabilities) with the table's "
+                         f"columns {sorted(theirs)}. Nothing was written")
+
+
+def stage(df, target: DeltaTarget) -> list[dict]:
+    """The scores' Parquet files, written by Spark's tasks into the table's `score-<id>/` folder, uncommitted."""
+    return stage_files(df, storage.join(target.output, target.folder))
+
+
+def commit(target: DeltaTarget, files: list[dict]) -> int:
+    """Commit `files` (stage's) to the table as one transaction; returns the table version it made. A
+    concurrent writer's commit is retried (ATTEMPTS in all), each retry logged."""
+    deltalake = require("deltalake", "delta")
+    from deltalake.exceptions import CommitFailedError, DeltaError
+    from deltalake.transaction import AddAction, CommitProperties, create_table_with_add_actions
+
+    _, root = storage.resolve(target.output)
+    actions = [AddAction(f["path"][len(root):].lstrip("/"), f["size"], {}, f["mtime_ms"], True,
+                         json.dumps({"numRecords": f["rows"]})) for f in files]
+    properties = CommitProperties(max_commit_retries=0, custom_metadata={TOKEN_KEY: target.token})
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            if target.table is None:
+                create_table_with_add_actions(target.uri, deltalake.Schema.from_arrow(target.schema), actions,
+                                              mode="error", commit_properties=properties)
+            elif actions:
+                # The table's own schema: an append must not carry a metadata (schema) change.
+                target.table.create_write_transaction(actions, mode="append", schema=target.table.schema(),
+                                                      commit_properties=properties)
+            else:
+                return target.table.version()  # no rows and the table exists: nothing to commit
+            break
+        except DeltaError as exc:
+            # A conflict: another commit took the version this one read (CommitFailedError), or another
+            # run created the table first. Anything else is no conflict.
+            if not isinstance(exc, CommitFailedError) and not (target.table is None and _open(target.uri)):
+                raise
+            if attempt == ATTEMPTS:
+                raise TableError(f"Delta table {target.output}: the commit of {len(files)} score files still "
+                                 f"conflicted with concurrent writers after {ATTEMPTS} attempts ({exc}); run the "
+                                 "score again, or write fewer runs to the table at once. Nothing was written") from None
+            wait = min(BACKOFF_S * 2 ** (attempt - 1), 2.0) * (1 + 0.2 * random.random())
+            log.warning("Delta table %s: commit of %d files conflicted with a concurrent writer (%s); retry %d/%d "
+                        "in %.0f ms", target.output, len(files), exc, attempt, ATTEMPTS - 1, wait * 1e3)
+            time.sleep(wait)
+            target.table = _open(target.uri)
+            if target.table is not None:
+                check_schema(target.table, target.schema, target.output)
+    return committed_version(target.uri, target.token)
+
+
+def committed_version(uri: str, token: str, depth: int = 100) -> Optional[int]:
+    """The version whose commitInfo carries `token` among the table's last `depth` commits, or None."""
+    table = _open(uri)
+    for entry in table.history(depth) if table is not None else []:
+        if entry.get(TOKEN_KEY) == token:
+            return int(entry["version"])
+    return None
+
+
+def append(df, target: DeltaTarget) -> Appended:
+    """Write `df` (the scores, in target.schema's columns) into the table as one commit. On any failure the
+    run's files are deleted (and a folder this run created), unless the commit is in the table's history."""
+    folder = storage.join(target.output, target.folder)
+    try:
+        files = stage(df, target)
+        version = commit(target, files)
+    except BaseException:
+        if committed_version(target.uri, target.token) is None:
+            storage.delete_dir(folder)
+            if not target.existed and not storage.list_files(target.output):
+                storage.delete_dir(target.output)
+        raise
+    rows = sum(f["rows"] for f in files)
+    log.info("appended %d rows (%d files) to Delta table %s as version %s", rows, len(files), target.output, version)
+    return Appended(target.output, version, [storage.url_of(target.output, f["path"]) for f in files], rows)
