@@ -152,7 +152,11 @@ class ShardlineServedModel(mlflow.pyfunc.PythonModel):
                 arrays[name] = pa.nulls(len(frame), ARROW_TYPES[kind])
         return pa.table(arrays) if arrays else pa.table({"_": pa.nulls(len(frame))})
 
-    def predict(self, context, model_input, params=None):
+    # The pd.DataFrame hint is one MLflow takes without inferring a signature from it (a DataFrame hint says
+    # nothing of the columns): the explicit signature log_served_model passes stays the model's, and
+    # MLflow's schema enforcement on it is what refuses a missing column or a column of the wrong type
+    # before predict runs. Without a hint MLflow warns at every log and load ("Add type hints ...").
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         import torch
 
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)

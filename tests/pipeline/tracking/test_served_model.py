@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Dict
@@ -135,12 +136,17 @@ def served(tmp_path_factory):
         run.log_manifest(manifest)
         run.log_file(root / "model.pt", "shardline")
         logged = time.perf_counter()
-        model_uri = run.log_model(model, manifest.feature_set, manifest.vocabulary_files(), "classification",
-                                  list(LABELS), rows.head(5))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model_uri = run.log_model(model, manifest.feature_set, manifest.vocabulary_files(), "classification",
+                                      list(LABELS), rows.head(5))
     timings = {"log_model_s": time.perf_counter() - logged, "run_s": time.perf_counter() - started}
+    for w in caught:  # still in pytest's warnings summary
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     vocabularies = manifest.vocabularies()
     return SimpleNamespace(root=root, uri=uri, run_id=run.run_id, model_uri=model_uri, model=model, rows=rows,
-                           vocabularies=vocabularies, manifest=manifest, timings=timings)
+                           vocabularies=vocabularies, manifest=manifest, timings=timings,
+                           log_warnings=[str(w.message) for w in caught])
 
 
 @pytest.fixture
@@ -203,6 +209,25 @@ def test_pyfunc_predicts_raw_rows_like_the_transform_and_network(tracked):
     with pytest.raises(ValueError, match=r"2 of 4 input rows are invalid.*'photo': 1.*'emb': 1|"
                                          r"2 of 4 input rows are invalid.*'emb': 1.*'photo': 1"):
         loaded.predict(broken)
+
+
+def test_mlflow_takes_the_type_hints_and_refuses_a_column_of_the_wrong_type(tracked):
+    served = tracked
+    import mlflow.pyfunc
+    from mlflow.exceptions import MlflowException
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = mlflow.pyfunc.load_model(served.model_uri)  # runs udfs/served_model.py again
+    hinted = [m for m in served.log_warnings + [str(w.message) for w in caught] if "type hint" in m.lower()]
+    assert hinted == []  # without predict's hints MLflow warns "Add type hints ..." at log and at load
+    # The explicit signature is kept (a DataFrame hint infers none) and MLflow enforces it before predict.
+    assert mlflow.models.get_model_info(served.model_uri).signature.inputs.input_names() == INPUTS
+    rows = served.rows[INPUTS].head(2)
+    with pytest.raises(MlflowException, match=r"(?s)Failed to enforce schema.*column age"):
+        loaded.predict(rows.assign(age=["forty", "fifty"]))
+    with pytest.raises(MlflowException, match=r"(?s)Failed to enforce schema.*emb"):
+        loaded.predict(rows.assign(emb=[1.0, 2.0]))
 
 
 # Runs with -I -S: no PYTHONPATH, no user site, and this environment's site-packages (argv[1]) added by
