@@ -47,7 +47,12 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--model", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID")
             cmd.add_argument("--input", required=True, help="Parquet path or table name")
             cmd.add_argument("--output", required=True,
-                             help="output Parquet folder (must not exist unless score.overwrite=true)")
+                             help="output Parquet folder (must not exist unless score.overwrite=true); with "
+                                  "--output-format delta a Delta table's folder or URL, with iceberg namespace.table "
+                                  "in the catalog data.iceberg")
+            cmd.add_argument("--output-format", choices=("parquet", "delta", "iceberg"), default=None,
+                             help="score.output_format: a Parquet folder, or a Delta/Iceberg table the predictions "
+                                  "are appended to in one commit, with the model URI and version as columns")
         if name == "tune":
             cmd.add_argument("--trials", type=int, default=None, help="trials in the study (default tune.trials); "
                              "an interrupted study runs only the ones still missing")
@@ -162,6 +167,8 @@ def _report(command: str, outcome) -> None:
         print("rows: " + ", ".join(f"{k}={v.rows}" for k, v in outcome.splits.items()))
         print(f"fingerprint: {outcome.fingerprint}")
         return
+    if getattr(outcome, "trained_on", None):
+        print(f"trained on: {outcome.trained_on}")
     print(f"mlflow run id: {outcome.run_id}")
     print(f"tracking uri: {outcome.tracking_uri}")
     if outcome.model_uri:
@@ -183,7 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
-        outcome = run_command(args.command, args.config, args.overrides, args.base,
+        overrides = args.overrides + ([f"score.output_format={args.output_format}"]
+                                      if getattr(args, "output_format", None) else [])
+        outcome = run_command(args.command, args.config, overrides, args.base,
                               resume=getattr(args, "resume", False), model=getattr(args, "model", None),
                               input=getattr(args, "input", None), output=getattr(args, "output", None),
                               trials=getattr(args, "trials", None), assumed=_assumed(args))

@@ -28,6 +28,7 @@ class PipelineOutcome:
     test_metrics: dict[str, float]
     train_seconds: float
     model_uri: Optional[str] = None
+    trained_on: Optional[str] = None  # the source and version, the rows and the shard set's fingerprint
 
 
 @dataclass
@@ -163,6 +164,8 @@ def _train_into(run, spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
     run.log_manifest(manifest)  # manifest.json + vocabularies: what scoring rebuilds the preprocessing from
     run.log_dataset(f"{manifest.name}-train", manifest.root, manifest.fingerprint.removeprefix("sha256:"),
                     manifest.num_features, "int64" if manifest.task == "classification" else "float32")
+    if manifest.etl_report.get("table"):  # a Delta/Iceberg source: the table and version, with the shards' fingerprint
+        run.log_source_table(manifest.etl_report["table"], manifest.etl_report.get("input_rows"), manifest.fingerprint)
 
     # --resume: epochs the killed driver logged after its last checkpoint are trained again; logged once. So
     # are epochs a retry replays from a checkpoint taken before their end (a lost shard, an elastic resume).
@@ -309,8 +312,10 @@ def tracked_training(spark, cfg: PipelineConfig, manifest: Manifest, resume: boo
         evaluation = _evaluate_into(run, spark, cfg, manifest, result.spec, result.parameters)
         model_uri = _log_model(run, spark, cfg, manifest, result.spec, result.parameters)
         _record_model_uri(cfg, run.run_id, model_uri)
+    from pipeline.etl.pinning import trained_on
+
     return TrackedTraining(PipelineOutcome(run.run_id, run.tracking_uri, evaluation.metrics, result.seconds,
-                                           model_uri), result)
+                                           model_uri, trained_on(manifest)), result)
 
 
 def plan(cfg: PipelineConfig, assumed: dict, overrides=()):

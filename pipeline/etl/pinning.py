@@ -76,3 +76,18 @@ def data_as_etled(data: DataConfig, etl_report: dict) -> DataConfig:
         return data
     key = "version" if data.source == "delta" else "snapshot_id"
     return data.model_copy(update={key: table["version"], "timestamp": None})
+
+
+def trained_on(manifest) -> str:
+    """One line: the source (a table at its version), the rows read and the shard set's fingerprint."""
+    report = manifest.etl_report
+    table = report.get("table")
+    if table:
+        what = "version" if table["format"] == "delta" else "snapshot"
+        source = f"{table['format'].capitalize()} table {table['name']} at {what} {table['version']}"
+    elif report.get("parts"):
+        source = f"{len(report['parts'])} workflow partitions"
+    else:
+        source = f"{report.get('source', 'the')} source" + (f" {report['path']}" if report.get("path") else "")
+    rows = report.get("input_rows")
+    return f"{source}{f', {rows} rows' if rows is not None else ''} (shard set {manifest.fingerprint})"

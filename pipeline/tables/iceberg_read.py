@@ -43,7 +43,6 @@ def _snapshot(table, identifier: str, snapshot_id: Optional[int], timestamp: Opt
 
 def pin_iceberg(config, identifier: str, snapshot_id: Optional[int], timestamp: Optional[datetime]) -> PinnedTable:
     """The table `identifier` of the catalog `config` (IcebergConfig) at a snapshot, its files planned."""
-    import pyarrow as pa
     from pyiceberg.io.pyarrow import schema_to_pyarrow
     from pyiceberg.manifest import DataFileContent
 

@@ -171,6 +171,12 @@ class TrackedRun:
         self._client.log_inputs(self.run_id, datasets=[
             DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
 
+    def log_source_table(self, table: dict, rows, fingerprint: str) -> None:
+        """The Delta/Iceberg table and version the shard set was made from, as a run input (lineage)."""
+        from pipeline.tracking.lineage import table_input
+
+        self._client.log_inputs(self.run_id, datasets=[table_input(table, rows, fingerprint)])
+
     def log_history(self, history: Sequence[Mapping[str, float]]) -> None:
         """Plot loss/accuracy curves from per-epoch dicts to ``plots/training_curves.png`` (and, with
         pipeline stages, their compute/idle time to ``plots/pipeline_stages.png``)."""
