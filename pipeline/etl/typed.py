@@ -108,8 +108,8 @@ def row_bytes(features: FeatureSet) -> int:
 
 
 def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, numeric_labels: bool, statistics,
-                  started: float, source: dict) -> Manifest:
-    """The ETL of typed data.features; `source`: where the rows came from, for the manifest."""
+                  started: float, origin: dict) -> Manifest:
+    """The ETL of typed data.features; `origin`: where the rows came from, for the manifest."""
     from udfs.profile import value_set
 
     data = cfg.data
@@ -132,7 +132,7 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
         specs = list(statistics.feature_set)
         vocabularies = {f.vocabulary: statistics.vocabulary(f.name).to_pylist() for f in specs if f.vocabulary}
         return _pack_and_write(spark, cfg, df, None, profiles, report, specs, vocabularies, classes, numeric_labels,
-                               allowed, started, source)
+                               allowed, started, origin)
     with scratch_folder(scratch_base(spark, Workdir.of(cfg).shards)) as scratch:
         with input_errors(data):
             direct = direct_source(selected, cast, names + [data.label], id_column, data.split)
@@ -140,11 +140,11 @@ def run_typed_etl(spark, cfg: PipelineConfig, selected, id_column, classes, nume
             report = profile_report(profiles, data, entries)
             specs, vocabularies = fit_features(spark, df, profiles, entries, data, source_types)
         return _pack_and_write(spark, cfg, df, files, profiles, report, specs, vocabularies, classes, numeric_labels,
-                               allowed, started, source)
+                               allowed, started, origin)
 
 
 def _pack_and_write(spark, cfg: PipelineConfig, df, files, profiles, report, specs, vocabularies, classes,
-                    numeric_labels: bool, allowed, started: float, source: dict) -> Manifest:
+                    numeric_labels: bool, allowed, started: float, origin: dict) -> Manifest:
     """The shards written: by the two-pass pack over `df` (files None: a frozen fit), or by the one-pass
     remap over pass 1's `files`."""
     from udfs.typed_pack import make_typed_pack_fn
@@ -176,7 +176,7 @@ def _pack_and_write(spark, cfg: PipelineConfig, df, files, profiles, report, spe
     numeric = features.numeric
     means = [v for f in numeric for v in ([f.mean, 0.0] if f.missing_flag else [f.mean])]
     stds = [v for f in numeric for v in ([f.std, 1.0] if f.missing_flag else [f.std])]
-    etl_report = {**asdict(report), "split_rows": totals, **source,
+    etl_report = {**asdict(report), "split_rows": totals, **origin,
                   "features": {f.name: f.type for f in features}}
     with input_errors(data):
         manifest = write_shards(
