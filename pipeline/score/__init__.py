@@ -10,7 +10,9 @@ Vectors as array<double>, text as strings or token arrays; a column of another t
 naming it. One Arrow UDF (udfs/score.py) per partition applies udfs.transforms.Transform, the ETL's own
 preprocessing, runs batched inference with a model built once per Python worker, and maps class indices
 back to the original label values. Predictions are written as Parquet to a hidden staging folder next to
-the output and renamed into place, so a reader never sees a half-written output.
+the output and renamed into place, so a reader never sees a half-written output. With score.output_format
+delta or iceberg the predictions, with the model's URI and registered version as columns, are appended to a
+table in one commit instead (pipeline/score/output.py: where the predictions go).
 
 Invalid rows (what the Transform refuses: a missing numeric value that is not imputed, a vector of
 another length, bytes that are not an image) follow `score.invalid_rows`: drop (left out, counted per
@@ -23,20 +25,18 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from pipeline import storage
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DataError, ShardlineError
 from pipeline.models import model_from_flat
+from pipeline.score.output import MODEL_COLUMNS, check_output, table_target, write_parquet_output
 from pipeline.shards import MANIFEST_NAME, Manifest, load_manifest
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class ScoreResult:
     rows_per_s: float
     mlflow_run_id: Optional[str] = None
     columns: list[str] = field(default_factory=list)
+    table_version: Optional[int] = None  # a table output's commit: the Delta version or Iceberg snapshot id
 
 
 @dataclass
@@ -192,7 +193,7 @@ def _feature_column(df, spec, source: str):
     return column
 
 
-def _prepare(df, features, keep: list[str], source: str):
+def _prepare(df, features, keep: list[str], source: str, reserved: tuple = ()):
     names = [f.name for f in features]
     missing = [c for c in names if c not in df.columns]
     if missing:
@@ -201,9 +202,10 @@ def _prepare(df, features, keep: list[str], source: str):
     missing_keep = [c for c in keep if c not in df.columns]
     if missing_keep:
         raise DataError(f"score.keep_columns {missing_keep} are not in the input {source} (columns: {df.columns})")
-    clash = [c for c in keep if c in ("prediction", "probability")]
+    clash = [c for c in keep if c in ("prediction", "probability", *reserved)]
     if clash:
-        raise DataError(f"score.keep_columns {clash} clash with the output columns prediction/probability")
+        raise DataError(f"score.keep_columns {clash} clash with the output columns "
+                        f"{'/'.join(('prediction', 'probability', *reserved))}")
     from pyspark.sql import functions as F
 
     exprs = [F.col(_quote(c)) for c in keep if c not in names]
@@ -242,37 +244,6 @@ def _reject_counts(df, model: "ScoringModel") -> tuple[int, dict[str, int]]:
     return sum(r["invalid"] for r in rows), {f.name: int(n) for f, n in zip(features, totals) if n}
 
 
-class _FS:
-    """Existence, rename and delete for the output: local paths with os, other schemes with Hadoop's FS."""
-
-    def __init__(self, spark, path: str):
-        self.local = "://" not in path or path.startswith("file://")
-        self.path = path[len("file://"):] if path.startswith("file://") else path
-        if not self.local:
-            jvm = spark.sparkContext._jvm
-            self._Path = jvm.org.apache.hadoop.fs.Path
-            self._fs = self._Path(path).getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-
-    def sibling(self, prefix: str) -> str:
-        parent, name = os.path.split(self.path.rstrip("/"))
-        return os.path.join(parent, f".{name}.{prefix}-{uuid.uuid4().hex[:12]}")
-
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path) if self.local else self._fs.exists(self._Path(path))
-
-    def rename(self, src: str, dst: str) -> None:
-        if self.local:
-            os.rename(src, dst)
-        elif not self._fs.rename(self._Path(src), self._Path(dst)):
-            raise ShardlineError(f"could not rename {src} to {dst}")
-
-    def delete(self, path: str) -> None:
-        if self.local:
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            self._fs.delete(self._Path(path), True)
-
-
 class _VectorSum:
     """An AccumulatorParam (zero, addInPlace) of equal-length count lists; module level, so pickled by
     reference."""
@@ -284,26 +255,6 @@ class _VectorSum:
         return [x + y for x, y in zip(a, b)]
 
 
-def _publish_local(fs: _FS, scored, output: str, overwrite: bool) -> None:
-    """Spark writes into a hidden sibling, renamed into place (the old output moved aside first)."""
-    staging = fs.sibling("staging")
-    try:
-        scored.write.mode("errorifexists").parquet(staging)
-        if fs.exists(fs.path):
-            if not overwrite:
-                raise ShardlineError(f"score output {output} appeared while scoring; the predictions stay "
-                                     f"unpublished (set score.overwrite=true)")
-            trash = fs.sibling("replaced")
-            fs.rename(fs.path, trash)
-            fs.rename(staging, fs.path)
-            fs.delete(trash)
-        else:
-            fs.rename(staging, fs.path)
-    except BaseException:
-        fs.delete(staging)
-        raise
-
-
 def _vector_accumulator(spark, width: int):
     try:
         context = spark.sparkContext
@@ -313,29 +264,20 @@ def _vector_accumulator(spark, width: int):
 
 
 def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -> ScoreResult:
-    """Score `input` (Parquet path or table) with `model_uri`, writing Parquet predictions to `output`."""
+    """Score `input` (Parquet path or table) with `model_uri`, writing Parquet predictions to `output`, or
+    appending them to the Delta table (folder or URL) / Iceberg table (namespace.table) `output`."""
     from udfs.score import make_score_fn
 
     sc = cfg.score
     started = time.perf_counter()
+    table = sc.output_format != "parquet"
     model = load_scoring_model(cfg, model_uri)
     manifest = model.manifest
     feature_set = manifest.feature_set
     features = [f.name for f in feature_set]
     keep = list(dict.fromkeys(sc.keep_columns))
-    remote = not storage.spark_native(output)
-    fs = None if remote else _FS(spark, output)
-    if (storage.exists(output) if remote else fs.exists(fs.path)) and not sc.overwrite:
-        raise ShardlineError(f"score output {output} exists; remove it or set score.overwrite=true")
-    df = _prepare(_read_input(spark, input), feature_set, keep, input)
-
-    if sc.invalid_rows == "reject":
-        bad_rows, by_column = _reject_counts(df, model)
-        if bad_rows:
-            raise DataError(f"score.invalid_rows=reject: {bad_rows} rows of {input} have invalid features "
-                            f"(null/NaN/inf numbers, vectors of another length, undecodable images; per column: "
-                            f"{by_column}); nothing was written. Fix the input, or set "
-                            "score.invalid_rows=drop (leave them out) or keep_null (write null predictions)")
+    fs = check_output(spark, cfg, output)
+    df = _prepare(_read_input(spark, input), feature_set, keep, input, MODEL_COLUMNS if table else ())
 
     classification = manifest.task == "classification"
     labels, label_arrow, label_ddl = _label_values(manifest) if classification else (None, None, None)
@@ -346,12 +288,24 @@ def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -
     fn = make_score_fn(feature_set.to_list(), model.vocabularies, model_from_flat, model.spec, model.parameters,
                        model.digest, manifest.task, labels, label_arrow, keep, sc.invalid_rows, sc.batch_size,
                        sc.threads_per_worker, sc.probabilities, counter)
-    if remote:
-        from pipeline.storage.spark_io import write_parquet
+    predictions = df.mapInArrow(fn, ddl)
+    if table:  # checked before the reject pre-pass and the write: a table that cannot take them fails first
+        predictions, writer, target = table_target(cfg, predictions, model_uri, model.version, output)
 
-        write_parquet(df.mapInArrow(fn, ddl), output, overwrite=sc.overwrite)
+    if sc.invalid_rows == "reject":
+        bad_rows, by_column = _reject_counts(df, model)
+        if bad_rows:
+            raise DataError(f"score.invalid_rows=reject: {bad_rows} rows of {input} have invalid features "
+                            f"(null/NaN/inf numbers, vectors of another length, undecodable images; per column: "
+                            f"{by_column}); nothing was written. Fix the input, or set "
+                            "score.invalid_rows=drop (leave them out) or keep_null (write null predictions)")
+
+    written_at, version = [output], None
+    if table:
+        appended = writer.append(predictions, target)
+        written_at, version = appended.files, appended.version
     else:
-        _publish_local(fs, df.mapInArrow(fn, ddl), output, sc.overwrite)
+        write_parquet_output(fs, predictions, output, sc.overwrite)
     seconds = time.perf_counter() - started
 
     if counter is not None:
@@ -361,13 +315,12 @@ def score(spark, cfg: PipelineConfig, model_uri: str, input: str, output: str) -
     else:
         from pipeline.storage.spark_io import read_parquet
 
-        scored = read_parquet(spark, output).where("prediction is not null").count()
+        scored = read_parquet(spark, written_at).where("prediction is not null").count() if written_at else 0
         input_rows, invalid, by_column = df.count(), -1, {}
     written = scored if sc.invalid_rows == "drop" else input_rows
     result = ScoreResult(model_uri, model.run_id, output, input_rows, scored, invalid, by_column, written,
-                         seconds, input_rows / max(seconds, 1e-9),
-                         columns=keep + ["prediction"] + (["probability"] if classification and sc.probabilities
-                                                          else []))
+                         seconds, input_rows / max(seconds, 1e-9), columns=predictions.columns,
+                         table_version=version)
     log.info("scored %s with %s (run %s): %d input rows, %d scored, %d invalid (%s: %s), %d written to %s "
              "in %.1fs (%.0f rows/s)", input, model_uri, model.run_id, input_rows, scored, invalid,
              sc.invalid_rows, by_column or "none", written, output, seconds, result.rows_per_s)
@@ -382,7 +335,8 @@ def _log_run(cfg: PipelineConfig, result: ScoreResult, source: str) -> str:
     name = f"score-{cfg.name}"
     with start_run(_tracking_uri(cfg), cfg.tracking.experiment, name) as run:
         run.log_params({"score.model_uri": result.model_uri, "score.input": source, "score.output": result.output,
-                        "score.invalid_rows": cfg.score.invalid_rows, "score.batch_size": cfg.score.batch_size})
+                        "score.invalid_rows": cfg.score.invalid_rows, "score.batch_size": cfg.score.batch_size,
+                        "score.output_format": cfg.score.output_format})
         run.set_tags({"shardline.kind": "score", "shardline.model_run_id": result.run_id})
         run.log_metrics({"score_input_rows": result.input_rows, "score_scored_rows": result.scored_rows,
                          "score_invalid_rows": result.invalid_rows, "score_written_rows": result.written_rows,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ class DeltaTarget:
 @dataclass
 class Appended:
     table: str
-    version: int
+    version: Optional[int]
     files: list[str]  # URLs of the committed data files
     rows: int
 
@@ -108,8 +109,8 @@ def check_schema(table, schema, name: str) -> None:
     ours = {f.name: f for f in deltalake.Schema.from_arrow(schema).fields}
     problems = [f"{n} is missing in the table" for n in ours if n not in theirs]
     problems += [f"the table has {n}, which the scores lack" for n in theirs if n not in ours]
-    problems += [f"{n} is {theirs[n].type} in the table, the scores' is {f.type}" for n, f in ours.items()
-                 if n in theirs and theirs[n].type != f.type]
+    problems += [f"{n} is {_type(theirs[n].type)} in the table, the scores' is {_type(f.type)}"
+                 for n, f in ours.items() if n in theirs and theirs[n].type != f.type]
     problems += [f"{n} is NOT NULL in the table" for n, f in theirs.items() if n in ours and not f.nullable]
     metadata = table.metadata()
     if metadata.partition_columns:
@@ -122,13 +123,18 @@ def check_schema(table, schema, name: str) -> None:
                          f"columns {sorted(theirs)}. Nothing was written")
 
 
+def _type(delta_type) -> str:
+    return re.sub(r'PrimitiveType\("(\w+)"\)', r"\1", repr(delta_type))  # long, ArrayType(float, ...)
+
+
 def stage(df, target: DeltaTarget) -> list[dict]:
     """The scores' Parquet files, written by Spark's tasks into the table's `score-<id>/` folder, uncommitted."""
     return stage_files(df, storage.join(target.output, target.folder))
 
 
-def commit(target: DeltaTarget, files: list[dict]) -> int:
-    """Commit `files` (stage's) to the table as one transaction; returns the table version it made. A
+def commit(target: DeltaTarget, files: list[dict]) -> Optional[int]:
+    """Commit `files` (stage's) to the table as one transaction; returns the table version it made (None: no
+    files for a table that exists, nothing committed). A
     concurrent writer's commit is retried (ATTEMPTS in all), each retry logged."""
     deltalake = require("deltalake", "delta")
     from deltalake.exceptions import CommitFailedError, DeltaError
@@ -148,7 +154,7 @@ def commit(target: DeltaTarget, files: list[dict]) -> int:
                 target.table.create_write_transaction(actions, mode="append", schema=target.table.schema(),
                                                       commit_properties=properties)
             else:
-                return target.table.version()  # no rows and the table exists: nothing to commit
+                return None  # no rows and the table exists: nothing to commit
             break
         except DeltaError as exc:
             # A conflict: another commit took the version this one read (CommitFailedError), or another
@@ -186,11 +192,17 @@ def append(df, target: DeltaTarget) -> Appended:
         files = stage(df, target)
         version = commit(target, files)
     except BaseException:
-        if committed_version(target.uri, target.token) is None:
+        try:
+            landed = committed_version(target.uri, target.token) is not None
+        except Exception:  # the store cannot tell: keep the files, a commit may name them
+            landed = True
+        if not landed:
             storage.delete_dir(folder)
             if not target.existed and not storage.list_files(target.output):
                 storage.delete_dir(target.output)
         raise
+    if not files:
+        storage.delete_dir(folder)  # no rows: the folder stage made stays empty
     rows = sum(f["rows"] for f in files)
     log.info("appended %d rows (%d files) to Delta table %s as version %s", rows, len(files), target.output, version)
     return Appended(target.output, version, [storage.url_of(target.output, f["path"]) for f in files], rows)

@@ -48,7 +48,7 @@ class IcebergTarget:
 @dataclass
 class Appended:
     table: str
-    snapshot_id: Optional[int]
+    version: Optional[int]  # the snapshot id
     files: list[str]  # URLs of the committed data files
     rows: int
 
@@ -100,7 +100,7 @@ def check_schema(table, schema, identifier: str) -> None:
     try:
         _check_pyarrow_schema_compatible(table.schema(), schema)
     except ValueError as exc:
-        problems.append(str(exc))
+        problems.append(str(exc).strip().rstrip("."))
     if problems:
         raise TableError(f"Iceberg table {identifier} cannot take these scores: {'; '.join(problems)}. Write to "
                          "a new table, or align the scores (score.keep_columns, score.probabilities) with the "
@@ -169,11 +169,17 @@ def append(df, target: IcebergTarget) -> Appended:
         files = stage(df, target)
         snapshot_id = commit(target, files)
     except BaseException:
-        if committed_snapshot(target) is None:
+        try:
+            landed = committed_snapshot(target) is not None
+        except Exception:  # the catalog cannot tell: keep the files, a snapshot may name them
+            landed = True
+        if not landed:
             storage.delete_dir(folder)
             if target.create is not None and not storage.list_files(target.location):
                 storage.delete_dir(target.location)  # the folder of a table this run did not get to create
         raise
+    if not files:
+        storage.delete_dir(folder)  # no rows: the folder stage made stays empty
     rows = sum(f["rows"] for f in files)
     log.info("appended %d rows (%d files) to Iceberg table %s as snapshot %s", rows, len(files), target.identifier,
              snapshot_id)
