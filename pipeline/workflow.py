@@ -3,8 +3,12 @@
 State (state.json beside the shards) records each processed partition's input fingerprint (file names,
 sizes, modification times), the statistics and labels frozen at the first partition, and the set of
 partitions the last model was trained on. A rerun on unchanged input does no work and says so; a new or
-changed partition is ETL'd alone, then the model is trained on all partitions together and promoted
-only if it beats the champion on the same test data.
+changed partition is ETL'd alone, then the model is trained on all partitions together (workflow.train_on:
+or the new one only) and promoted only if it beats the champion on the same test data.
+
+A Delta or Iceberg source has no partition folders: its versions are the partitions. The rows appended
+since the version last prepared are ETL'd alone as the new partition; a commit that removed or changed
+files (a delete, update, overwrite) prepares every row again, from a fresh fit (pipeline/tables/changes.py).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class WorkflowState:
     labels: Optional[list] = None
     trained_on: Optional[str] = None  # key of the partition set the last model saw
     fitted_by: Optional[str] = None  # typed features: the shard set whose fit (vocabularies, statistics) is frozen
+    table: Optional[dict] = None  # a Delta/Iceberg source: {"format", "name", "version"} last prepared
 
     @classmethod
     def load(cls, folder: Path) -> "WorkflowState":
@@ -57,17 +62,17 @@ class WorkflowState:
         try:
             data = json.loads(path.read_text())
             return cls(path, data["partitions"], data.get("means"), data.get("stds"), data.get("labels"),
-                       data.get("trained_on"), data.get("fitted_by"))
+                       data.get("trained_on"), data.get("fitted_by"), data.get("table"))
         except (ValueError, KeyError, TypeError) as exc:
             raise DataError(f"workflow state {path} is unreadable ({exc}); delete it to reprocess everything") from None
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"partitions": self.partitions, "means": self.means, "stds": self.stds, "labels": self.labels,
-                "trained_on": self.trained_on, "fitted_by": self.fitted_by}
+                "trained_on": self.trained_on, "fitted_by": self.fitted_by, "table": self.table}
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".state-", suffix=".json")
         with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=2, sort_keys=True)
+            json.dump(data, out, indent=2)  # partitions in the order prepared
         os.replace(tmp, self.path)
 
 
@@ -99,14 +104,34 @@ def _partition_key(found: dict[str, str]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()
 
 
+def _prepare(spark, cfg: PipelineConfig, state: WorkflowState, shards_dir, data: dict, pinned=None) -> Manifest:
+    """ETL one partition into `shards_dir` (`data`: its data.* changes) with the frozen fit, freezing it at
+    the first partition: every later one is scaled and labelled alike."""
+    from pipeline.etl import run_etl
+
+    part_cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={
+        **data, "shards_dir": str(shards_dir),
+        "classes": state.labels if state.labels is not None else cfg.data.classes})})
+    statistics = (state.means, state.stds) if state.means is not None else None
+    if state.fitted_by is not None:  # typed features: the whole fit of the first partition
+        statistics = load_manifest(state.fitted_by)
+    manifest = run_etl(spark, part_cfg, statistics=statistics, pinned=pinned)
+    if state.means is None:
+        state.means, state.stds = list(manifest.means), list(manifest.stds)
+        if not is_plain(cfg.data.features):
+            state.fitted_by = manifest.root
+        state.labels = list(manifest.label_mapping) if manifest.label_mapping is not None else None
+    return manifest
+
+
 def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
     """One scheduled run: ETL new partitions, train on all of them, evaluate, promote or not."""
-    from pipeline.etl import run_etl
-    from pipeline.shards.merge import merge_manifests
-
+    if cfg.data.source in ("delta", "iceberg"):
+        return _run_table_workflow(spark, cfg)
     if not cfg.data.path or cfg.data.source not in ("parquet", "csv"):
         raise ConfigError("the workflow needs data.source=parquet or csv and data.path pointing at a source "
-                          f"partitioned into {cfg.workflow.partition_column}=<value> folders")
+                          f"partitioned into {cfg.workflow.partition_column}=<value> folders, or a Delta or "
+                          "Iceberg table (data.source=delta|iceberg)")
     column = cfg.workflow.partition_column
     root = Path(cfg.data.path)
     workdir = Workdir.of(cfg)
@@ -120,18 +145,8 @@ def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
         log.info("%s", reason)
         return WorkflowOutcome(False, reason, sorted(found))
     for value in todo:
-        part_cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={
-            "path": str(root / f"{column}={value}"), "shards_dir": str(workdir.shard_partition(column, value)),
-            "classes": state.labels if state.labels is not None else cfg.data.classes})})
-        statistics = (state.means, state.stds) if state.means is not None else None
-        if state.fitted_by is not None:  # typed features: the whole fit of the first partition
-            statistics = load_manifest(state.fitted_by)
-        manifest = run_etl(spark, part_cfg, statistics=statistics)
-        if state.means is None:  # frozen at the first partition: every later one is scaled and labelled alike
-            state.means, state.stds = list(manifest.means), list(manifest.stds)
-            if not is_plain(cfg.data.features):
-                state.fitted_by = manifest.root
-            state.labels = list(manifest.label_mapping) if manifest.label_mapping is not None else None
+        manifest = _prepare(spark, cfg, state, workdir.shard_partition(column, value),
+                            {"path": str(root / f"{column}={value}")})
         state.partitions[value] = {"fingerprint": found[value], "rows": manifest.etl_report.get("output_rows"),
                                    "shards": manifest.root}
         state.save()  # per partition: a crash later redoes only what is missing
@@ -139,21 +154,69 @@ def run_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
     for gone in sorted(set(state.partitions) - set(found)):
         log.warning("workflow: partition %s=%s is no longer in %s; training without it", column, gone, root)
         del state.partitions[gone]
-    parts = [load_manifest(workdir.shard_partition(column, v)) for v in sorted(found)]
-    merged = merge_manifests(parts, workdir.shards, cfg.name)
+    trained = todo if cfg.workflow.train_on == "new" and todo else sorted(found)
+    outcome = _train_partitions(spark, cfg, state, [workdir.shard_partition(column, v) for v in trained], todo)
+    state.trained_on = key
+    state.save()
+    return dataclasses.replace(outcome, partitions=sorted(found),
+                               reason=f"processed {len(todo)} new/changed partition(s) {todo}; trained on "
+                                      f"{len(trained)} partition(s); {outcome.promotion.reason}")
+
+
+def _run_table_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
+    """The workflow over a Delta/Iceberg table's versions: the rows appended since the last run are the new
+    partition; a non-append commit prepares every row again; no new version does nothing."""
+    from pipeline.tables.changes import changes_since
+
+    workdir = Workdir.of(cfg)
+    state = WorkflowState.load(workdir.workflow_state)
+    same_table = state.table is not None and (state.table["format"], state.table["name"]) == (cfg.data.source,
+                                                                                              cfg.data.path)
+    change = changes_since(cfg.data, state.table["version"] if same_table else None)
+    now = change.pinned
+    if change.kind == "none" and state.trained_on == _partition_key(
+            {v: p["fingerprint"] for v, p in state.partitions.items()}):
+        reason = (f"nothing to do: {now.describe()} has no commit since the last run, and the current model was "
+                  "trained on it")
+        log.info("%s", reason)
+        return WorkflowOutcome(False, reason, sorted(state.partitions))
+    todo = []
+    if change.kind != "none":
+        log.info("workflow: %s", change.reason)
+        if change.kind == "rewrite":  # every row again, from a fresh fit (the old statistics saw deleted rows)
+            state = WorkflowState(state.path)
+        value = str(now.version)
+        manifest = _prepare(spark, cfg, state, workdir.shard_partition("version", value), {}, pinned=now)
+        state.partitions[value] = {"fingerprint": f"{now.format}:{now.version}:{change.kind}",
+                                   "rows": manifest.etl_report.get("output_rows"), "shards": manifest.root}
+        state.table = {"format": now.format, "name": now.name, "version": now.version}
+        state.save()
+        todo = [value]
+    found = list(state.partitions)  # in the order prepared (state.json keeps it)
+    trained = todo if cfg.workflow.train_on == "new" and todo else found
+    outcome = _train_partitions(spark, cfg, state, [state.partitions[v]["shards"] for v in trained], todo)
+    state.trained_on = _partition_key({v: p["fingerprint"] for v, p in state.partitions.items()})
+    state.save()
+    return dataclasses.replace(outcome, partitions=found,
+                               reason=f"{change.reason}; trained on {len(trained)} partition(s) up to "
+                                      f"{now.describe()}; {outcome.promotion.reason}")
+
+
+def _train_partitions(spark, cfg: PipelineConfig, state: WorkflowState, folders: list, todo: list[str]):
+    """Train on the partitions' shard sets merged, under the workflow's own MLflow run; promote or not."""
+    from pipeline.shards.merge import merge_manifests
+
+    parts = [load_manifest(folder) for folder in folders]
+    merged = merge_manifests(parts, Workdir.of(cfg).shards, cfg.name)
     with _parent_run(cfg) as parent:
         parent.set_tags({"shardline.workflow.processed": ",".join(todo) or "-",
-                         "shardline.workflow.partitions": str(len(found)), "shardline.fingerprint": merged.fingerprint})
+                         "shardline.workflow.partitions": str(len(parts)), "shardline.fingerprint": merged.fingerprint})
         outcome = train_and_promote(spark, cfg, merged, processed=todo, parent_run_id=parent.run_id)
         parent.log_metrics({f"test_{k}": v for k, v in outcome.test_metrics.items()})
         parent.set_tags({"shardline.promotion": outcome.promotion.alias,
                          "shardline.promotion_reason": outcome.promotion.reason,
                          "shardline.registered_version": outcome.promotion.version})
-    state.trained_on = key
-    state.save()
-    return dataclasses.replace(outcome, partitions=sorted(found),
-                               reason=f"processed {len(todo)} new/changed partition(s) {todo}; trained on "
-                                      f"{len(found)} partition(s); {outcome.promotion.reason}")
+    return outcome
 
 
 def _parent_run(cfg: PipelineConfig):

@@ -340,9 +340,11 @@ class TrackingConfig(_Section):
 
 
 class WorkflowConfig(_Section):
-    """`shardline workflow`: incremental ETL over a date-partitioned source, training, promotion."""
+    """`shardline workflow`: incremental ETL over a date-partitioned source or the versions of a Delta/Iceberg
+    table, training, promotion."""
 
-    # data.path holds one folder per partition, named <partition_column>=<value> (Hive style).
+    # data.path holds one folder per partition, named <partition_column>=<value> (Hive style). A Delta or
+    # Iceberg source needs none: the rows appended since the last run are the new partition.
     partition_column: str = Field("date", min_length=1)
     # Test metric that decides promotion, and whether higher is better (accuracy) or lower (loss, rmse).
     metric: str = Field("accuracy", min_length=1)
@@ -351,6 +353,9 @@ class WorkflowConfig(_Section):
     margin: float = 0.0
     # Start training from the champion's parameters (same model shape) instead of from scratch.
     warm_start: bool = False
+    # What a run trains on: every prepared partition (all), or only the one this run prepared (new: the rows
+    # appended since the last run; with warm_start, the champion is fine-tuned on them).
+    train_on: Literal["all", "new"] = "all"
     # Where the processed-partition state lives; default <workdir>/workflow/<name>.
     state_dir: Optional[str] = Field(None, min_length=1)
 

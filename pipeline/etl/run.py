@@ -96,9 +96,11 @@ def profile(frame: CastFrame, features: list[str], data, label_values: list[str]
     return Profile(report, split_rows, offsets, totals, [float(v) for v in mean], stds, sorted(labels), truncated)
 
 
-def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[float]] | None = None) -> Manifest:
+def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[float]] | None = None,
+            pinned=None) -> Manifest:
     """Prepare `cfg.data` into a committed shard set for `cfg.parallelism.data` workers.
 
+    `pinned`: a Delta/Iceberg table already pinned (the workflow's increment), else the source is pinned here.
     Two reads of the source and no shuffle: a profile pass (counts, split sizes per partition, train
     statistics, labels) and a pack pass that standardizes, assigns balanced shards and writes them.
     """
@@ -109,9 +111,14 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
     from pipeline.etl.pinning import etl_key, pin_source, reusable, source_report
 
     started = time.perf_counter()
-    data, pinned = pin_source(cfg.data)
+    given = pinned is not None
+    if not given:
+        data, pinned = pin_source(cfg.data)
+    else:  # the workflow's increment: some files of a pinned version (pipeline.tables.changes), never reused
+        data = cfg.data.model_copy(update={"version" if pinned.format == "delta" else "snapshot_id": pinned.version,
+                                           "timestamp": None})
     cfg = cfg.model_copy(update={"data": data})
-    key = etl_key(cfg, statistics) if pinned is not None else None
+    key = etl_key(cfg, statistics) if pinned is not None and not given else None
     reused = reusable(cfg, key)
     if reused is not None:
         log.info("shard set %s reused: it was made from %s with these settings (fingerprint %s)", reused.root,

@@ -45,6 +45,17 @@ def merge_manifests(parts: Sequence[Manifest], root: str | os.PathLike, name: st
     features = tuple({**f, "vocabulary": str(base / f["vocabulary"])} if f.get("vocabulary") else f
                      for f in first.features)
     merged = dataclasses.replace(first, name=name, splits=splits, fingerprint=f"sha256:{digest}",
-                                 etl_report={"parts": [p.root for p in parts]}, root=str(root), features=features)
+                                 etl_report=_merged_report(parts), root=str(root), features=features)
     merged.write(root)
     return merged
+
+
+def _merged_report(parts: Sequence[Manifest]) -> dict:
+    """The parts, their rows, and (a Delta/Iceberg source) the newest table version among them: the version the
+    merged set is up to, which the training run records as its input."""
+    report: dict = {"parts": [p.root for p in parts],
+                    "input_rows": sum(int(p.etl_report.get("input_rows") or 0) for p in parts)}
+    tables = [p.etl_report["table"] for p in parts if p.etl_report.get("table")]
+    if tables:
+        report["table"] = tables[-1]
+    return report
