@@ -20,6 +20,9 @@ def main(argv=None) -> int:
     parser.add_argument("--input", required=True, help="Parquet path or table name")
     parser.add_argument("--output", required=True, help="output Parquet folder (must not exist unless "
                                                         "score.overwrite=true)")
+    parser.add_argument("--output-format", choices=["parquet", "delta", "iceberg"], default=None,
+                        help="parquet (a new folder), or append to a Delta table (--output: its folder or URL) or an "
+                             "Iceberg table (--output: namespace.table in the catalog data.iceberg)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     args = parser.parse_args(argv)
@@ -32,7 +35,8 @@ def main(argv=None) -> int:
 
     configure_logging(args.log_level)
     try:
-        cfg = load(args.config, args.overrides, base=args.base)
+        overrides = list(args.overrides) + ([f"score.output_format={args.output_format}"] if args.output_format else [])
+        cfg = load(args.config, overrides, base=args.base)
         spark = get_or_create_spark(cfg.spark)
         result = score(spark, cfg, args.model, args.input, args.output)
     except ShardlineError as exc:
