@@ -11,7 +11,7 @@ pytestmark = pytest.mark.lts  # the LTS lane reports these as skipped, with the 
 from pipeline.config import build  # noqa: E402
 from pipeline.errors import TableError  # noqa: E402
 from pipeline.etl import run_etl  # noqa: E402
-from tests.pipeline.tables.tables_data import data_config, iceberg_catalog_config, rows, shard_ids  # noqa: E402
+from tests.pipeline.tables.tables_data import data_config, iceberg_table, rows, shard_ids  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +94,7 @@ def test_bad_pins_name_the_table_and_the_fix(spark, tmp_path, events):
 
 def test_iceberg_snapshots_read_exactly_their_rows(spark, tmp_path):
     pytest.importorskip("pyiceberg", reason="the iceberg extra (shardline[iceberg]) is not installed")
-    from pipeline.config.sources import IcebergConfig
-    from pipeline.tables.catalog import iceberg_catalog
-
-    catalog_cfg = iceberg_catalog_config(tmp_path)
-    catalog = iceberg_catalog(IcebergConfig(**catalog_cfg))
-    catalog.create_namespace("ns")
-    table = catalog.create_table("ns.events", schema=rows(0, 1).schema)
-    table.append(rows(0, 200))
-    table.append(rows(200, 200))
+    catalog_cfg, catalog, table = iceberg_table(tmp_path, "ns.events", rows(0, 200), rows(200, 200))
     table.delete("id < 50")
     snapshots = [s.snapshot_id for s in catalog.load_table("ns.events").snapshots()]
 

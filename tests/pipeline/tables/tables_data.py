@@ -38,3 +38,20 @@ def shard_ids(manifest) -> list[int]:
 def iceberg_catalog_config(tmp_path, name: str = "test") -> dict:
     return {"name": name, "catalog": {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
                                       "warehouse": f"file://{tmp_path}/warehouse"}}
+
+
+def iceberg_table(tmp_path, identifier: str, *appended: pa.Table):
+    """(catalog settings, catalog, table): a new Iceberg table of SCHEMA in the SQL catalog of `tmp_path`, one
+    snapshot per `appended` table."""
+    from pipeline.config.sources import IcebergConfig
+    from pipeline.tables.catalog import iceberg_catalog
+
+    settings = iceberg_catalog_config(tmp_path)
+    catalog = iceberg_catalog(IcebergConfig(**settings))
+    namespace = identifier.split(".")[0]
+    if (namespace,) not in catalog.list_namespaces():
+        catalog.create_namespace(namespace)
+    table = catalog.create_table(identifier, schema=SCHEMA)
+    for part in appended:
+        table.append(part)
+    return settings, catalog, table

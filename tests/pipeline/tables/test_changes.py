@@ -4,7 +4,7 @@ import pytest
 
 from pipeline.config import build
 from pipeline.tables.changes import changes_since
-from tests.pipeline.tables.tables_data import iceberg_catalog_config, rows
+from tests.pipeline.tables.tables_data import iceberg_table, rows
 
 pytestmark = pytest.mark.lts
 
@@ -45,14 +45,7 @@ def test_a_deletion_vector_since_is_not_an_append(tmp_path):
 
 def test_iceberg_appends_and_overwrites(tmp_path):
     pytest.importorskip("pyiceberg", reason="the iceberg extra (shardline[iceberg]) is not installed")
-    from pipeline.config.sources import IcebergConfig
-    from pipeline.tables.catalog import iceberg_catalog
-
-    settings = iceberg_catalog_config(tmp_path)
-    catalog = iceberg_catalog(IcebergConfig(**settings))
-    catalog.create_namespace("ns")
-    table = catalog.create_table("ns.t", schema=rows(0, 1).schema)
-    table.append(rows(0, 10))
+    settings, catalog, table = iceberg_table(tmp_path, "ns.t", rows(0, 10))
     data = build({"data": {"source": "iceberg", "path": "ns.t", "iceberg": settings}}).data
     first = table.current_snapshot().snapshot_id
     table.append(rows(10, 5))
