@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 from typing import Optional
+from urllib.parse import unquote
 
 from pipeline.errors import TableError
 from pipeline.tables.catalog import require
@@ -97,17 +98,28 @@ def pin_delta(path: str, version: Optional[int], timestamp: Optional[datetime]) 
             for row in batch.to_pylist():
                 keep = row["selection_vector"]
                 deleted[row["filepath"]] = tuple(i for i, k in enumerate(keep) if not k)
-    uris = table.file_uris()  # the same order as the add actions
-    if len(uris) != len(actions):
-        raise TableError(f"internal: Delta table {path} lists {len(uris)} files but {len(actions)} add actions; "
-                         "please report this")
-    files = []
-    for uri, action in zip(uris, actions):
+    # delta-rs names a vector's file by URL (partition folders URL-encoded once more), file_uris() by path.
+    vectors = {form: key for key in deleted for form in (_local(key), unquote(_local(key)))}
+    root = _local(table.table_uri)
+    by_path = {unquote(a["path"]): a for a in actions}  # the log's paths are URL-encoded, the files' are not
+    files, matched = [], set()
+    for uri in table.file_uris():
+        action = by_path.get(_local(uri)[len(root):]) if _local(uri).startswith(root) else None
+        if action is None:
+            raise TableError(f"internal: Delta table {path}'s file {uri} has no add action at version {pinned}; "
+                             "please report this")
         # Partition values are stored under the physical names where column mapping is on.
         values = _partition_values(partition_columns, schema, {
             f"partition.{name}": action.get(f"partition.{physical.get(name, name)}", action.get(f"partition.{name}"))
             for name in partition_columns})
-        files.append(DeltaFile(uri, values, deleted.get(uri, deleted.get(_file_url(uri), ()))))
+        dv = vectors.get(_local(uri), vectors.get(unquote(_local(uri))))
+        if dv is not None:
+            matched.add(dv)
+        files.append(DeltaFile(uri, values, deleted[dv] if dv is not None else ()))
+    if set(deleted) - matched:  # a deletion vector no file claims: its rows would be read as if live
+        raise TableError(f"Delta table {path} at version {pinned} has deletion vectors for files it does not list, "
+                         f"e.g. {sorted(set(deleted) - matched)[0]}; shardline will not read it without them: "
+                         "please report this")
     honoured = []
     if mapping_mode != "none":
         honoured.append(f"column mapping ({mapping_mode})")
@@ -121,8 +133,9 @@ def pin_delta(path: str, version: Optional[int], timestamp: Optional[datetime]) 
                        honoured=tuple(honoured))
 
 
-def _file_url(path: str) -> str:
-    return path if "://" in path else f"file://{path}"
+def _local(url: str) -> str:
+    """`url` without a file:// scheme (delta-rs names local files by path, its table and vectors by URL)."""
+    return url[len("file://"):] if url.startswith("file://") else url
 
 
 def _commit_ms(path: str, version: int) -> int:

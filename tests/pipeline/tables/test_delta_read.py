@@ -75,3 +75,14 @@ def test_a_reader_feature_it_does_not_honour_is_refused_naming_it(tmp_path):
     with pytest.raises(TableError, match=r"needs reader feature\(s\) \['variantType'\], which shardline's Delta "
                                          r"read does not honour"):
         pin(_data(path))
+
+
+def test_a_deletion_vector_in_a_partition_folder_with_an_encoded_name_is_found(spark, tmp_path):
+    path = tmp_path / "spaced"
+    table = rows(0, 12).append_column("p", pa.array(["x y" if i % 2 else "z" for i in range(12)]))
+    deltalake.write_deltalake(str(path), table, partition_by=["p"])
+    actions = pa.table(deltalake.DeltaTable(str(path)).get_add_actions(flatten=True)).to_pylist()
+    spaced = next(a["path"] for a in actions if a["partition.p"] == "x y")  # logged as p=x%2520y/...
+    add_deletion_vector(str(path), spaced, [0])  # the file's first row: id 1
+    got = sorted((r["id"], r["p"]) for r in table_frame(spark, pin(_data(path)), ["id", "p"]).collect())
+    assert got == [(i, "x y" if i % 2 else "z") for i in range(12) if i != 1]
