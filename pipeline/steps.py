@@ -127,7 +127,8 @@ def _input_example(spark, cfg: PipelineConfig, manifest: Manifest, rows: int = 6
     from pipeline.tracking.served import input_example
 
     features = manifest.feature_set
-    raw = read_source(spark, data_as_etled(cfg.data, manifest.etl_report), cfg.workdir).select(*[f"`{f.name}`" for f in features]).limit(64)
+    raw = read_source(spark, data_as_etled(cfg.data, manifest.etl_report), cfg.workdir)
+    raw = raw.select(*[f"`{f.name}`" for f in features]).limit(64)
     return input_example(raw.toPandas(), features, rows)
 
 

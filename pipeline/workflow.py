@@ -176,14 +176,15 @@ def _run_table_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
     now = change.pinned
     if change.kind == "none" and state.trained_on == _partition_key(
             {v: p["fingerprint"] for v, p in state.partitions.items()}):
-        reason = (f"nothing to do: {now.describe()} has no commit since the last run, and the current model was "
-                  "trained on it")
+        reason = f"nothing to do: {change.reason} of {now.name}, and the current model was trained on it"
         log.info("%s", reason)
-        return WorkflowOutcome(False, reason, sorted(state.partitions))
+        return WorkflowOutcome(False, reason, list(state.partitions))
     todo = []
     if change.kind != "none":
         log.info("workflow: %s", change.reason)
         if change.kind == "rewrite":  # every row again, from a fresh fit (the old statistics saw deleted rows)
+            for gone in state.partitions.values():
+                _remove_shards(gone["shards"])
             state = WorkflowState(state.path)
         value = str(now.version)
         manifest = _prepare(spark, cfg, state, workdir.shard_partition("version", value), {}, pinned=now)
@@ -200,6 +201,19 @@ def _run_table_workflow(spark, cfg: PipelineConfig) -> WorkflowOutcome:
     return dataclasses.replace(outcome, partitions=found,
                                reason=f"{change.reason}; trained on {len(trained)} partition(s) up to "
                                       f"{now.describe()}; {outcome.promotion.reason}")
+
+
+def _remove_shards(root: str) -> None:
+    """A partition's shard set that no run trains on again (a full re-ETL replaced it)."""
+    import shutil
+
+    from pipeline import storage
+
+    if storage.is_remote(root):
+        storage.delete_dir(root)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    log.info("workflow: removed the replaced partition's shards %s", root)
 
 
 def _train_partitions(spark, cfg: PipelineConfig, state: WorkflowState, folders: list, todo: list[str]):

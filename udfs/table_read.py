@@ -27,7 +27,10 @@ def make_delta_read_fn(filesystems: Sequence, groups: Sequence[Sequence], schema
             for index in batch.column(0).to_pylist():
                 for fs_index, path, partition, deleted in groups[index]:
                     parquet = pq.ParquetFile(filesystems[fs_index].open_input_file(path))
-                    stored = [f.name for f in schema if f.name not in partition]
+                    # A column added to the table after this file was written is not in it: null here.
+                    present = set(parquet.schema_arrow.names)
+                    stored = [f.name for f in schema
+                              if f.name not in partition and physical.get(f.name, f.name) in present]
                     columns = [physical.get(name, name) for name in stored]
                     dropped = np.asarray(deleted, dtype=np.int64)
                     start = 0
@@ -52,6 +55,8 @@ def _typed(part: pa.RecordBatch, stored: list, schema: pa.Schema, partition: dic
     for field in schema:
         if field.name in partition:
             arrays.append(pa.array([partition[field.name]] * part.num_rows, field.type))
+        elif field.name not in position:
+            arrays.append(pa.nulls(part.num_rows, field.type))
         else:
             column = part.column(position[field.name])
             arrays.append(column if column.type == field.type else column.cast(field.type))

@@ -90,3 +90,20 @@ def table_pin_problem(source: str, version: Optional[int], snapshot_id: Optional
             return "give data.timestamp or the version (data.version / data.snapshot_id), not both"
         parse_timestamp(timestamp)
     return None
+
+
+_SECRET_WORDS = ("secret", "token", "credential", "password", "passwd", "private-key", "private_key", "sas")
+
+
+def is_secret(key: str) -> bool:
+    """Whether a property named `key` holds a secret (data.iceberg.catalog's `s3.secret-access-key`, `token`,
+    `credential`, ...): never logged to MLflow, never shipped in a Spark task's closure."""
+    last = key.lower().rsplit(".", 1)[-1]
+    return any(word in last for word in _SECRET_WORDS) or key.lower().endswith("secret-access-key")
+
+
+def without_password(value: str) -> str:
+    """A URI with its password hidden (postgresql://user:pw@host/db -> postgresql://user:***@host/db)."""
+    import re
+
+    return re.sub(r"(://[^/:@]+):[^/@]+@", r"\1:***@", value)

@@ -42,13 +42,20 @@ def source_report(data: DataConfig, pinned, key: Optional[str]) -> dict:
     return report
 
 
-def etl_key(cfg: PipelineConfig, statistics) -> Optional[str]:
+# Raised when the ETL or a table reader changes what it writes for the same input: older sets are not reused.
+ETL_FORMAT = 1
+
+
+def etl_key(cfg: PipelineConfig, statistics, pinned) -> Optional[str]:
     """What shapes the shard set of a pinned table (None where the ETL must always run: frozen statistics)."""
     if statistics is not None:
         return None
     data = cfg.data.model_dump(mode="json", exclude=set(_LOADER_KEYS))
+    # The table's identity too: a table dropped and recreated at the same path starts at version 0 again.
+    # train.batch_size: the ETL checks every worker gets a batch of each split (etl/checks.py).
     shape = {"data": data, "workers": cfg.parallelism.data, "shards": cfg.shards.model_dump(mode="json"),
-             "name": cfg.name}
+             "name": cfg.name, "batch_size": cfg.train.batch_size, "format": ETL_FORMAT,
+             "table": [pinned.uri, pinned.table_id, pinned.committed_ms]}
     return "sha256:" + hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
 
 

@@ -118,7 +118,7 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
         data = cfg.data.model_copy(update={"version" if pinned.format == "delta" else "snapshot_id": pinned.version,
                                            "timestamp": None})
     cfg = cfg.model_copy(update={"data": data})
-    key = etl_key(cfg, statistics) if pinned is not None and not given else None
+    key = etl_key(cfg, statistics, pinned) if pinned is not None and not given else None
     reused = reusable(cfg, key)
     if reused is not None:
         log.info("shard set %s reused: it was made from %s with these settings (fingerprint %s)", reused.root,

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 class TableChange:
     kind: str  # none | append | rewrite
     reason: str
-    pinned: PinnedTable  # append: the new files only; rewrite and none: the whole table, at the new version
+    # append: the new files only; rewrite: the whole table at the new version; none: the version last prepared
+    pinned: PinnedTable
 
 
 def _unit_key(pinned: PinnedTable, unit) -> tuple:
@@ -64,7 +65,7 @@ def changes_since(data, last: Optional[int]) -> TableChange:
     if last is None:
         return TableChange("rewrite", f"first run: every row of {now.describe()}", now)
     if now.version == last:
-        return TableChange("none", f"{now.describe()} is the version last prepared", now)
+        return TableChange("none", f"no commit since version {last}, the version last prepared", now)
     key = "version" if data.source == "delta" else "snapshot_id"
     try:
         before = pin(data.model_copy(update={key: last, "timestamp": None}))
@@ -80,6 +81,9 @@ def changes_since(data, last: Optional[int]) -> TableChange:
                                       f"{now.describe()} (commits since: {what}): not an append, so every row is "
                                       "prepared again", now)
     added = tuple(u for k, u in current.items() if k not in old)
+    if not added:  # commits that changed no data file (table properties, a schema change): no new rows
+        return TableChange("none", f"no rows appended since version {last} ({now.describe()}; commits since: "
+                                   f"{_operations(data, last, now.version)})", before)
     log.info("%s: %d file(s) appended since version %d", now.describe(), len(added), last)
     return TableChange("append", f"{len(added)} file(s) appended since version {last}",
                        dataclasses.replace(now, units=added))

@@ -9,6 +9,7 @@ columns). Any other reader feature the table requires is an error naming it, nev
 from __future__ import annotations
 
 import logging
+import os
 from datetime import datetime
 from typing import Optional
 from urllib.parse import unquote
@@ -94,48 +95,44 @@ def pin_delta(path: str, version: Optional[int], timestamp: Optional[datetime]) 
     actions = pa.table(table.get_add_actions(flatten=True)).to_pylist()
     deleted = {}
     if "deletionVectors" in needed or protocol.min_reader_version >= 3:
+        import numpy as np
+
         for batch in pa.RecordBatchReader.from_stream(table.deletion_vectors()):
             for row in batch.to_pylist():
-                keep = row["selection_vector"]
-                deleted[row["filepath"]] = tuple(i for i, k in enumerate(keep) if not k)
-    # delta-rs names a vector's file by URL (partition folders URL-encoded once more), file_uris() by path.
-    vectors = {form: key for key in deleted for form in (_local(key), unquote(_local(key)))}
-    root = _local(table.table_uri)
-    by_path = {unquote(a["path"]): a for a in actions}  # the log's paths are URL-encoded, the files' are not
+                deleted[row["filepath"]] = tuple(int(i) for i in np.flatnonzero(~np.asarray(row["selection_vector"])))
+    # Each file's location from its add action: delta-rs's file_uris() percent-encodes a local root ("a b" ->
+    # "a%20b", a folder that does not exist), and the log's relative paths are URL-encoded once.
+    base = path.rstrip("/") if "://" in path else os.path.abspath(path)
+    table_url = table.table_uri.rstrip("/")
     files, matched = [], set()
-    for uri in table.file_uris():
-        action = by_path.get(_local(uri)[len(root):]) if _local(uri).startswith(root) else None
-        if action is None:
-            raise TableError(f"internal: Delta table {path}'s file {uri} has no add action at version {pinned}; "
-                             "please report this")
+    for action in actions:
+        relative = action["path"]
+        absolute = "://" in relative or relative.startswith("/")
+        location = unquote(relative) if absolute else f"{base}/{unquote(relative)}"
         # Partition values are stored under the physical names where column mapping is on.
         values = _partition_values(partition_columns, schema, {
             f"partition.{name}": action.get(f"partition.{physical.get(name, name)}", action.get(f"partition.{name}"))
             for name in partition_columns})
-        dv = vectors.get(_local(uri), vectors.get(unquote(_local(uri))))
-        if dv is not None:
-            matched.add(dv)
-        files.append(DeltaFile(uri, values, deleted[dv] if dv is not None else ()))
-    if set(deleted) - matched:  # a deletion vector no file claims: its rows would be read as if live
+        vector = relative if absolute else f"{table_url}/{relative}"  # how delta-rs names a vector's file
+        if vector in deleted:
+            matched.add(vector)
+        files.append(DeltaFile(location, values, deleted.get(vector, ())))
+    if set(deleted) - matched:  # a deletion vector no listed file claims: its rows would be read as if live
         raise TableError(f"Delta table {path} at version {pinned} has deletion vectors for files it does not list, "
                          f"e.g. {sorted(set(deleted) - matched)[0]}; shardline will not read it without them: "
                          "please report this")
     honoured = []
     if mapping_mode != "none":
         honoured.append(f"column mapping ({mapping_mode})")
-    if deleted:
-        honoured.append(f"deletion vectors ({sum(len(d) for d in deleted.values())} rows in {len(deleted)} files)")
+    if any(f.deleted for f in files):
+        dropped = [f for f in files if f.deleted]
+        honoured.append(f"deletion vectors ({sum(len(f.deleted) for f in dropped)} rows in {len(dropped)} files)")
     committed = _commit_ms(path, pinned)
     log.info("Delta table %s: version %d (%d files%s)", path, pinned, len(files),
              f"; applying {', '.join(honoured)}" if honoured else "")
     return PinnedTable("delta", path, table.table_uri, pinned, committed, schema, tuple(files),
                        reader={"physical": physical, "partition_columns": partition_columns},
-                       honoured=tuple(honoured))
-
-
-def _local(url: str) -> str:
-    """`url` without a file:// scheme (delta-rs names local files by path, its table and vectors by URL)."""
-    return url[len("file://"):] if url.startswith("file://") else url
+                       honoured=tuple(honoured), table_id=table.metadata().id)
 
 
 def _commit_ms(path: str, version: int) -> int:

@@ -63,8 +63,20 @@ def pin_iceberg(config, identifier: str, snapshot_id: Optional[int], timestamp: 
              f", {len(positional)} positional delete files applied" if positional else "")
     uri = f"iceberg://{config.name}/{identifier}"
     return PinnedTable("iceberg", identifier, uri, snapshot.snapshot_id, snapshot.timestamp_ms, schema, tasks,
-                       reader={"metadata": table.metadata, "io": table.io, "projection": projection},
-                       honoured=tuple(honoured), catalog=config.name)
+                       reader={"metadata": table.metadata, "io": _io_without_secrets(table),
+                               "projection": projection},
+                       honoured=tuple(honoured), catalog=config.name, table_id=str(table.metadata.table_uuid))
+
+
+def _io_without_secrets(table):
+    """The table's FileIO as the Spark tasks get it (pickled into their closure): without the catalog's secret
+    properties, which each executor takes from its own environment, as pipeline/storage's filesystems do."""
+    from pyiceberg.io import load_file_io
+
+    from pipeline.config.sources import is_secret
+
+    kept = {k: v for k, v in table.io.properties.items() if not is_secret(k)}
+    return load_file_io(kept, table.metadata.location)
 
 
 def _plain(schema):
@@ -78,6 +90,10 @@ def _plain(schema):
             return pa.binary()
         if pa.types.is_large_list(t) or pa.types.is_list(t):
             return pa.list_(plain(t.value_type))
+        if pa.types.is_struct(t):
+            return pa.struct([pa.field(f.name, plain(f.type), f.nullable) for f in t])
+        if pa.types.is_map(t):
+            return pa.map_(plain(t.key_type), plain(t.item_type))
         return t
 
     return pa.schema([pa.field(f.name, plain(f.type), f.nullable) for f in schema])

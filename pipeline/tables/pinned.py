@@ -32,6 +32,7 @@ class PinnedTable:
     reader: dict = field(default_factory=dict)
     honoured: tuple = ()  # what this read applied beyond plain files (deletion vectors, column mapping, ...)
     catalog: Optional[str] = None
+    table_id: Optional[str] = None  # Delta metadata id / Iceberg table uuid: a table recreated at the same path differs
 
     @property
     def pin_key(self) -> str:
@@ -49,5 +50,5 @@ class PinnedTable:
         """The pin as plain values (the manifest's etl_report["table"], MLflow's dataset input)."""
         committed = datetime.fromtimestamp(self.committed_ms / 1000, tz=timezone.utc).isoformat()
         return {"format": self.format, "name": self.name, "uri": self.uri, "version": self.version,
-                "committed": committed, "files": len(self.units), "catalog": self.catalog,
+                "committed": committed, "files": len(self.units), "catalog": self.catalog, "table_id": self.table_id,
                 "honoured": list(self.honoured)}

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from pipeline.config.sources import is_secret, without_password
+
 # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH (kept here so flattening needs no mlflow import).
 MAX_PARAM_VALUE_LENGTH = 6000
 _TRUNCATED = "..."
@@ -19,7 +21,9 @@ def _render(value: object) -> str:
 def flatten_params(cfg: Mapping, prefix: str = "") -> dict[str, str]:
     """``{"train": {"lr": 0.05}}`` -> ``{"train.lr": "0.05"}``.
 
-    Lists render compactly (``[64,32]``); values longer than MLflow's limit are truncated with ``...``.
+    Lists render compactly (``[64,32]``); values longer than MLflow's limit are truncated with ``...``. A
+    secret (a key like ``s3.secret-access-key``, ``token``, ``credential``; a URI's password) is logged as
+    ``***``: params are plain text to everyone who can read the experiment.
     """
     flat: dict[str, str] = {}
     for key, value in cfg.items():
@@ -27,7 +31,7 @@ def flatten_params(cfg: Mapping, prefix: str = "") -> dict[str, str]:
         if isinstance(value, Mapping):
             flat.update(flatten_params(value, name))
             continue
-        text = _render(value)
+        text = "***" if is_secret(str(key)) and value else without_password(_render(value))
         if len(text) > MAX_PARAM_VALUE_LENGTH:
             text = text[: MAX_PARAM_VALUE_LENGTH - len(_TRUNCATED)] + _TRUNCATED
         flat[name] = text

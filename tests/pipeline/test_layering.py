@@ -33,7 +33,7 @@ ALLOWED = {
     "notebook": set(),
     "steps": {"config", "etl", "shards", "data", "models", "launch", "evaluate", "tracking", "checkpoints",
               "storage"},
-    "workflow": {"config", "etl", "shards", "steps", "tracking", "tables"},
+    "workflow": {"config", "etl", "shards", "steps", "tracking", "tables", "storage"},
     "tune": {"config", "steps", "tracking"},
     "cli": {"config", "session", "steps", "workflow", "score", "tune"},
     "spark_ml": {"config", "etl", "launch", "evaluate", "models", "steps", "tracking"},

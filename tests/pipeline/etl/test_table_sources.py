@@ -1,6 +1,7 @@
 """data.source delta | iceberg through the whole ETL on real tables: the pinned version's rows exactly, a
 commit during the ETL not read, the version in the manifest, the shard set reused at the same version."""
 import threading
+import time
 
 import pytest
 
@@ -44,6 +45,21 @@ def test_the_same_version_reuses_the_shard_set_and_another_makes_a_new_one(spark
     assert "reused" in caplog.text and "version 1" in caplog.text
     changed = run_etl(spark, build(data_config(tmp_path, "delta", events, version=2)))
     assert changed.fingerprint != first.fingerprint and changed.etl_report["table"]["version"] == 2
+    fewer = run_etl(spark, build(data_config(tmp_path, "delta", events, version=2, features=["f0"])))
+    assert fewer.fingerprint != changed.fingerprint and fewer.feature_columns == ("f0",)
+
+
+def test_a_table_recreated_at_the_same_path_is_not_taken_for_the_old_one(spark, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "again")
+    deltalake.write_deltalake(path, rows(0, 100))
+    cfg = build(data_config(tmp_path / "work", "delta", path, version=0))
+    first = run_etl(spark, cfg)
+    shutil.rmtree(path)
+    deltalake.write_deltalake(path, rows(1000, 100))  # version 0 again, other rows
+    second = run_etl(spark, cfg)
+    assert shard_ids(second) == list(range(1000, 1100)) and second.fingerprint != first.fingerprint
 
 
 def test_a_commit_during_the_etl_is_not_read(spark, tmp_path):
@@ -62,12 +78,15 @@ def test_a_commit_during_the_etl_is_not_read(spark, tmp_path):
     thread = threading.Thread(target=writer, daemon=True)
     thread.start()
     try:
+        deadline = time.monotonic() + 60
         while not appended:  # at least one commit after the table's first
+            assert thread.is_alive() and time.monotonic() < deadline, "the writer thread made no commit in 60 s"
             stop.wait(0.01)
         manifest = run_etl(spark, build(data_config(tmp_path / "work", "delta", path)))
     finally:
         stop.set()
         thread.join(timeout=30)
+    assert not thread.is_alive()
     version = manifest.etl_report["table"]["version"]
     assert deltalake.DeltaTable(path).version() > version  # the writer went on committing during the ETL
     expected = list(range(300)) + [i for s in appended[:version] for i in range(s, s + 50)]

@@ -25,10 +25,13 @@ def test_delta_appends_deletes_and_no_change(tmp_path):
     appended = changes_since(_delta(path), 0)
     assert appended.kind == "append" and appended.pinned.version == 2 and len(appended.pinned.units) == 2
     assert "2 file(s) appended since version 0" in appended.reason
+    deltalake.DeltaTable(path).alter.set_table_properties({"delta.appendOnly": "false"})  # no data file
+    metadata_only = changes_since(_delta(path), 2)
+    assert metadata_only.kind == "none" and "no rows appended since version 2" in metadata_only.reason
     deltalake.DeltaTable(path).delete("id = 3")
     deleted = changes_since(_delta(path), 2)
-    assert deleted.kind == "rewrite" and "DELETE at 3" in deleted.reason and "not an append" in deleted.reason
-    assert deleted.pinned.version == 3 and len(deleted.pinned.units) == 3  # the whole table
+    assert deleted.kind == "rewrite" and "DELETE at 4" in deleted.reason and "not an append" in deleted.reason
+    assert deleted.pinned.version == 4 and len(deleted.pinned.units) == 3  # the whole table
 
 
 def test_a_deletion_vector_since_is_not_an_append(tmp_path):

@@ -86,3 +86,12 @@ def test_a_deletion_vector_in_a_partition_folder_with_an_encoded_name_is_found(s
     add_deletion_vector(str(path), spaced, [0])  # the file's first row: id 1
     got = sorted((r["id"], r["p"]) for r in table_frame(spark, pin(_data(path)), ["id", "p"]).collect())
     assert got == [(i, "x y" if i % 2 else "z") for i in range(12) if i != 1]
+
+
+def test_a_column_added_later_reads_as_null_from_the_older_files_and_a_root_with_a_space_is_read(spark, tmp_path):
+    path = tmp_path / "a b" / "grown"  # delta-rs's file_uris() would name it a%20b: a folder that does not exist
+    deltalake.write_deltalake(str(path), rows(0, 4))
+    wider = rows(4, 3).append_column("extra", pa.array([1.5, 2.5, 3.5]))
+    deltalake.write_deltalake(str(path), wider, mode="append", schema_mode="merge")
+    got = sorted((r["id"], r["extra"]) for r in table_frame(spark, pin(_data(path)), ["id", "extra"]).collect())
+    assert got == [(0, None), (1, None), (2, None), (3, None), (4, 1.5), (5, 2.5), (6, 3.5)]

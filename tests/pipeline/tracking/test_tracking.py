@@ -284,3 +284,16 @@ def test_http_tracking_server_round_trip(mlflow_server, tmp_path):
         if loader.poll() is None:
             loader.kill()
             loader.communicate()
+
+
+def test_secrets_in_the_config_are_not_logged_as_params():
+    from pipeline.tracking.params import flatten_params
+
+    flat = flatten_params({"data": {"iceberg": {"catalog": {
+        "type": "rest", "uri": "postgresql://ml:hunter2@db:5432/catalog", "token": "t0k", "credential": "id:secret",
+        "s3.secret-access-key": "abc", "s3.access-key-id": "AKIA1"}}}, "train": {"lr": 0.1}})
+    assert flat["data.iceberg.catalog.uri"] == "postgresql://ml:***@db:5432/catalog"
+    assert flat["data.iceberg.catalog.token"] == flat["data.iceberg.catalog.credential"] == "***"
+    assert flat["data.iceberg.catalog.s3.secret-access-key"] == "***"
+    assert flat["data.iceberg.catalog.s3.access-key-id"] == "AKIA1" and flat["train.lr"] == "0.1"
+    assert not any(s in v for v in flat.values() for s in ("hunter2", "t0k", "id:secret", "abc"))
