@@ -13,6 +13,12 @@ driver and be written by one process; here the executors write in parallel and o
 Conflicts: delta-rs retries a conflicting commit on its own (silently, up to 15 times); that is turned off
 (max_commit_retries=0) so that each retry happens here: logged, after a short backoff, and after the table
 is read again and its schema checked again (a concurrent writer may have changed it).
+
+A commit can land while its answer is lost (an object store's PUT that succeeded, then timed out and was
+retried: the retry finds the log file taken and reports a conflict). Each commit carries a token in its
+commitInfo (TOKEN_KEY), so before any retry the history since the version the first attempt read is searched
+for it: found, the run's commit is that version and is not written again (a second commit would add the
+same files twice and double the rows).
 """
 from __future__ import annotations
 
@@ -46,6 +52,10 @@ class DeltaTarget:
     existed: bool = False  # whether the output folder was there before (else a failed run removes it)
     folder: str = field(default_factory=lambda: f"score-{uuid.uuid4().hex[:12]}")  # the run's data sub-folder
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The table version the commit's first attempt read (-1: no table yet), set by commit: the run's own
+    # commit can only be a later version, so the landed check searches the history back to here. None: the
+    # whole history.
+    read_version: Optional[int] = None
 
 
 @dataclass
@@ -134,8 +144,8 @@ def stage(df, target: DeltaTarget) -> list[dict]:
 
 def commit(target: DeltaTarget, files: list[dict]) -> Optional[int]:
     """Commit `files` (stage's) to the table as one transaction; returns the table version it made (None: no
-    files for a table that exists, nothing committed). A
-    concurrent writer's commit is retried (ATTEMPTS in all), each retry logged."""
+    files for a table that exists, nothing committed). A conflict with a concurrent writer's commit is retried
+    (ATTEMPTS in all), each retry logged, unless this run's own commit is found to have landed."""
     deltalake = require("deltalake", "delta")
     from deltalake.exceptions import CommitFailedError, DeltaError
     from deltalake.transaction import AddAction, CommitProperties, create_table_with_add_actions
@@ -144,6 +154,7 @@ def commit(target: DeltaTarget, files: list[dict]) -> Optional[int]:
     actions = [AddAction(f["path"][len(root):].lstrip("/"), f["size"], {}, f["mtime_ms"], True,
                          json.dumps({"numRecords": f["rows"]})) for f in files]
     properties = CommitProperties(max_commit_retries=0, custom_metadata={TOKEN_KEY: target.token})
+    target.read_version = target.table.version() if target.table is not None else -1
     for attempt in range(1, ATTEMPTS + 1):
         try:
             if target.table is None:
@@ -161,6 +172,13 @@ def commit(target: DeltaTarget, files: list[dict]) -> Optional[int]:
             # run created the table first. Anything else is no conflict.
             if not isinstance(exc, CommitFailedError) and not (target.table is None and _open(target.uri)):
                 raise
+            # Or this run's own commit, landed with its answer lost: then it is done, and a retry would
+            # commit the same files a second time.
+            landed = committed_version(target.uri, target.token, target.read_version)
+            if landed is not None:
+                log.warning("Delta table %s: the commit of %d files reported a conflict (%s) but is in the "
+                            "table's history as version %d: not retried", target.output, len(files), exc, landed)
+                return landed
             if attempt == ATTEMPTS:
                 raise TableError(f"Delta table {target.output}: the commit of {len(files)} score files still "
                                  f"conflicted with concurrent writers after {ATTEMPTS} attempts ({exc}); run the "
@@ -172,15 +190,27 @@ def commit(target: DeltaTarget, files: list[dict]) -> Optional[int]:
             target.table = _open(target.uri)
             if target.table is not None:
                 check_schema(target.table, target.schema, target.output)
-    return committed_version(target.uri, target.token)
+    return committed_version(target.uri, target.token, target.read_version)
 
 
-def committed_version(uri: str, token: str, depth: int = 100) -> Optional[int]:
-    """The version whose commitInfo carries `token` among the table's last `depth` commits, or None."""
+def committed_version(uri: str, token: str, since: Optional[int] = -1) -> Optional[int]:
+    """The version whose commitInfo carries `token` among the commits after version `since` (the version the run
+    read before its first attempt; -1 or None: every commit), or None: not committed.
+
+    Searched back to `since`, not a fixed depth: with many concurrent writers the run's commit may lie any
+    number of commits back, and a wrong "not committed" would delete files a commit names."""
+    since = -1 if since is None else since
     table = _open(uri)
-    for entry in table.history(depth) if table is not None else []:
+    count = table.version() - since if table is not None else 0
+    if count <= 0:
+        return None  # no table, or no commit since the run read it
+    # Newest first, back to version since + 1. delta-rs 1.6.6 also lists commits made after it loaded the
+    # table (by a concurrent writer) but numbers the entries down from the loaded version, so the versions
+    # are counted here from the oldest entry instead (since + 1).
+    entries = table.history(count)
+    for i, entry in enumerate(entries):
         if entry.get(TOKEN_KEY) == token:
-            return int(entry["version"])
+            return since + len(entries) - i
     return None
 
 
@@ -193,7 +223,7 @@ def append(df, target: DeltaTarget) -> Appended:
         version = commit(target, files)
     except BaseException:
         try:
-            landed = committed_version(target.uri, target.token) is not None
+            landed = committed_version(target.uri, target.token, target.read_version) is not None
         except Exception:  # the store cannot tell: keep the files, a commit may name them
             landed = True
         if not landed:

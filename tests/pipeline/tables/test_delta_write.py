@@ -28,6 +28,7 @@ typed_run = typed.typed_run  # the module fixture: a tracked run of a small type
 SCORED = typed.TYPED_ROWS - len(typed.TYPED_BAD)  # rows a run writes (invalid rows dropped)
 COLUMNS = ["key", "prediction", "probability", "model_uri", "model_version"]
 MODEL = "typed-delta"
+JOIN_S = 300  # the most a concurrent score run's thread is waited for
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,8 @@ def test_two_concurrent_score_runs_both_land_with_no_row_lost_or_doubled(spark, 
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout=JOIN_S)  # a hung run fails the test instead of hanging the suite
+    assert [t for t in threads if t.is_alive()] == [], f"a score run did not finish within {JOIN_S} s"
     assert errors == []
     assert sorted(r.table_version for r in results.values()) == [1, 2]  # one commit each, both landed
     dt = DeltaTable(table)
@@ -144,6 +146,50 @@ def test_a_stale_commit_is_retried_after_the_other_writer_and_logged(spark, tmp_
         assert len(retries) == 1 and "retry 1/7" in retries[0]
         ids = sorted(_rows(table).column("id").to_pylist())
         assert ids == ([-1] if existing else []) + list(range(17))
+
+
+def test_a_commit_that_landed_with_its_answer_lost_is_not_committed_again(spark, tmp_path, caplog):
+    """The run's commit lands but the run does not learn it (an object store's lost answer) and tries again from
+    the version it read: the conflict's retry path finds the run's token in the history and returns that
+    version; a second commit would name the same files again and double the rows."""
+    table = str(tmp_path / "t")
+    write_deltalake(table, pa.table({"id": [-1], "model_uri": ["seed"]}, schema=SCHEMA))
+    target = delta_write.prepare(table, SCHEMA)
+    files = delta_write.stage(_ids(spark, 0, 10), target)
+    assert delta_write.commit(target, files) == 1
+    target.table = DeltaTable(table, version=0)  # the run's view: its commit's answer never came back
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.tables.delta_write"):
+        assert delta_write.commit(target, files) == 1  # the same token again: a real conflict at version 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("is in the table's history as version 1: not retried" in m for m in messages), messages
+    assert not any("retry 1/7" in m for m in messages)
+    dt = DeltaTable(table)
+    assert dt.version() == 1 and len(dt.history()) == 2  # no second commit
+    assert sorted(_rows(table).column("id").to_pylist()) == [-1] + list(range(10))  # no row doubled
+
+    # A run whose commit did not land (another token, the same stale view) is retried and lands after it.
+    other = delta_write.prepare(table, SCHEMA)
+    other.table = DeltaTable(table, version=0)
+    assert delta_write.commit(other, delta_write.stage(_ids(spark, 10, 3), other)) == 2
+    assert sorted(_rows(table).column("id").to_pylist()) == [-1] + list(range(13))
+
+
+def test_the_landed_check_searches_back_to_the_version_the_run_read_not_a_fixed_depth(spark, tmp_path):
+    """Many writers' commits after the run's: its commit is still found (a fixed depth of 100 missed it, and the
+    failure path would have deleted files the commit names), at its own version; none before `since`."""
+    table = str(tmp_path / "t")
+    write_deltalake(table, pa.table({"id": [-1], "model_uri": ["seed"]}, schema=SCHEMA))
+    target = delta_write.prepare(table, SCHEMA)
+    assert delta_write.commit(target, delta_write.stage(_ids(spark, 0, 4), target)) == 1
+    assert target.read_version == 0
+    for i in range(105):
+        write_deltalake(table, pa.table({"id": [100 + i], "model_uri": ["other"]}, schema=SCHEMA), mode="append")
+    assert DeltaTable(table).version() == 106
+    assert delta_write.committed_version(table, target.token, target.read_version) == 1
+    assert delta_write.committed_version(table, target.token) == 1  # the whole history
+    assert delta_write.committed_version(table, target.token, 1) is None  # only commits after version 1
+    assert delta_write.committed_version(table, "no-such-token", 0) is None
 
 
 def test_a_failed_run_leaves_nothing(spark, tmp_path):
