@@ -1,5 +1,5 @@
 """`shardline run` on a Delta table: the MLflow run's inputs carry the table, its version, the rows and the
-shard set's fingerprint; the command prints what it trained on; a second run at the same version reuses
+shard set's fingerprint; the registered model version names that run; the command prints what it trained on; a second run at the same version reuses
 the shard set (same fingerprint), a run at another version does not."""
 import pytest
 
@@ -38,7 +38,7 @@ def test_the_run_records_the_table_version_and_reuses_its_shards(tmp_path, capsy
     deltalake.write_deltalake(table, rows(0, 300))
     deltalake.write_deltalake(table, rows(300, 300), mode="append")
 
-    out, work = _run(tmp_path, table, capsys, "data.version=0")
+    out, work = _run(tmp_path, table, capsys, "data.version=0", "tracking.registered_model=events-model")
     line = next(x for x in out.splitlines() if x.startswith("trained on: "))
     assert f"Delta table {table} at version 0, 300 rows (shard set sha256:" in line
     fingerprint = line.rsplit("shard set ", 1)[1].rstrip(")")
@@ -48,6 +48,10 @@ def test_the_run_records_the_table_version_and_reuses_its_shards(tmp_path, capsy
     assert source.dataset.source_type == "delta_table" and '"delta_table_version": 0' in source.dataset.source
     assert tags["version"] == "0" and tags["rows"] == "300" and tags["fingerprint"] == fingerprint
     assert tags["format"] == "delta" and tags["mlflow.data.context"] == "training"
+    from mlflow.tracking import MlflowClient  # the registered version names the run, and so the data
+
+    (version,) = MlflowClient(f"sqlite:///{work}/mlflow.db").search_model_versions("name='events-model'")
+    assert version.run_id == _run_id(out)
 
     manifest = work / "shards" / "digits" / "manifest.json"
     written = manifest.stat().st_mtime_ns
