@@ -45,11 +45,12 @@ def test_deletion_vectors_drop_their_rows_and_earlier_versions_keep_them(spark, 
     assert _ids(spark, pin(_data(path, version=version - 1))) == list(range(20))  # before the DV
 
 
-def test_column_mapping_reads_the_logical_columns(spark, tmp_path):
+@pytest.mark.parametrize("mode", ["name", "id"])
+def test_column_mapping_reads_the_logical_columns(spark, tmp_path, mode):
     path = tmp_path / "mapped"
-    deltalake.write_deltalake(str(path), rows(0, 12), configuration={"delta.columnMapping.mode": "name"})
+    deltalake.write_deltalake(str(path), rows(0, 12), configuration={"delta.columnMapping.mode": mode})
     pinned = pin(_data(path))
-    assert "column mapping (name)" in pinned.honoured
+    assert f"column mapping ({mode})" in pinned.honoured
     # delta-rs 1.6.6's own to_pyarrow_table reads the physical columns as nulls; this read must not.
     got = table_frame(spark, pinned, ["id", "f0", "label"]).toPandas().sort_values("id")
     assert got["id"].tolist() == list(range(12)) and got["f0"].tolist() == [float(i) for i in range(12)]
