@@ -16,17 +16,9 @@ the Delta protocol (delta-io/delta ``PROTOCOL.md``):
   the original add (partitionValues, size, modificationTime, stats, tags, row
   tracking fields), with ``stats.tightBounds`` set to false, because min/max
   values may now be wider than the valid rows ("Per-file Statistics").
-* "Deletion Vector Format": the bitmap is a ``RoaringBitmapArray``: the magic
-  number 1681511377 (little endian) followed by the 64-bit roaring "portable"
-  serialization (u64 LE bucket count, then per bucket a u32 LE high key and a
-  portable 32-bit roaring bitmap).
-* "Deletion Vector File Storage Format" (storage type ``"u"``): a
-  ``deletion_vector_<uuid>.bin`` file in the table root: a version byte ``1``,
-  then a big-endian u32 size, the bitmap bytes and a big-endian CRC-32 of them.
-  The descriptor has ``offset=1``, ``sizeInBytes`` = bitmap size and the Z85
-  encoded UUID as ``pathOrInlineDv``.
-* Storage type ``"i"`` (inline): the bitmap bytes, zero-padded to a multiple of
-  4, Z85 encoded into ``pathOrInlineDv``; ``sizeInBytes`` is the unpadded size.
+
+The DV's bytes (the RoaringBitmapArray, its file or inline storage, Z85) are
+:mod:`delta_dv_format`'s.
 
 Run this module to check the helper against delta-rs itself::
 
@@ -37,170 +29,18 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 import uuid
-import zlib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import unquote
 
-import pyroaring
+if __package__:
+    from . import delta_dv_format as dv_format
+else:  # run as a script (the self-check): this folder is on sys.path
+    import delta_dv_format as dv_format
 
-__all__ = [
-    "add_deletion_vector",
-    "read_deletion_vector",
-    "serialize_roaring_bitmap_array",
-    "deserialize_roaring_bitmap_array",
-    "z85_encode",
-    "z85_decode",
-]
-
-DV_MAGIC = 1681511377  # RoaringBitmapArray, portable serialization
-DV_FILE_FORMAT_VERSION = 1
-
-# ---------------------------------------------------------------------------
-# Z85 (ZeroMQ RFC 32).  NB: base64.b85encode uses a different alphabet.
-# ---------------------------------------------------------------------------
-
-_Z85_ALPHABET = (
-    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
-)
-_Z85_INDEX = {c: i for i, c in enumerate(_Z85_ALPHABET)}
-
-
-def z85_encode(data: bytes) -> str:
-    """Z85-encode ``data``; its length must be a multiple of 4."""
-    if len(data) % 4:
-        raise ValueError(f"Z85 input length must be a multiple of 4, got {len(data)}")
-    out = []
-    for (word,) in struct.iter_unpack(">I", data):
-        chunk = []
-        for _ in range(5):
-            word, rem = divmod(word, 85)
-            chunk.append(_Z85_ALPHABET[rem])
-        out.extend(reversed(chunk))
-    return "".join(out)
-
-
-def z85_decode(text: str) -> bytes:
-    """Decode Z85 ``text``; its length must be a multiple of 5."""
-    if len(text) % 5:
-        raise ValueError(f"Z85 input length must be a multiple of 5, got {len(text)}")
-    out = bytearray()
-    for i in range(0, len(text), 5):
-        word = 0
-        for c in text[i : i + 5]:
-            word = word * 85 + _Z85_INDEX[c]
-        if word > 0xFFFFFFFF:
-            raise ValueError(f"invalid Z85 group {text[i:i + 5]!r}")
-        out += struct.pack(">I", word)
-    return bytes(out)
-
-
-# ---------------------------------------------------------------------------
-# RoaringBitmapArray (PROTOCOL.md "Deletion Vector Format")
-# ---------------------------------------------------------------------------
-
-
-def serialize_roaring_bitmap_array(rows: Iterable[int]) -> bytes:
-    """Magic number + 64-bit roaring portable serialization of ``rows``."""
-    buckets: dict[int, list[int]] = {}
-    for row in rows:
-        row = int(row)
-        if row < 0 or row >= 1 << 63:  # high keys must have a 0 top bit
-            raise ValueError(f"row index out of range: {row}")
-        buckets.setdefault(row >> 32, []).append(row & 0xFFFFFFFF)
-    out = bytearray(struct.pack("<I", DV_MAGIC))
-    out += struct.pack("<Q", len(buckets))
-    for key in sorted(buckets):
-        out += struct.pack("<I", key)
-        # optimize=False: plain array/bitmap containers, no run containers.
-        out += pyroaring.BitMap(buckets[key], optimize=False).serialize()
-    return bytes(out)
-
-
-def deserialize_roaring_bitmap_array(data: bytes) -> list[int]:
-    """Inverse of :func:`serialize_roaring_bitmap_array` (trailing bytes ignored)."""
-    (magic,) = struct.unpack_from("<I", data, 0)
-    if magic != DV_MAGIC:
-        raise ValueError(f"unsupported deletion vector magic number {magic}")
-    (n_buckets,) = struct.unpack_from("<Q", data, 4)
-    pos = 12
-    rows: list[int] = []
-    for _ in range(n_buckets):
-        (key,) = struct.unpack_from("<I", data, pos)
-        pos += 4
-        bitmap = pyroaring.BitMap.deserialize(data[pos:])
-        pos += len(bitmap.serialize())
-        rows.extend((key << 32) | low for low in bitmap)
-    return rows
-
-
-# ---------------------------------------------------------------------------
-# Deletion vector descriptors
-# ---------------------------------------------------------------------------
-
-
-def _dv_relative_path(path_or_inline_dv: str) -> str:
-    prefix, encoded = path_or_inline_dv[:-20], path_or_inline_dv[-20:]
-    dv_uuid = uuid.UUID(bytes=z85_decode(encoded))
-    name = f"deletion_vector_{dv_uuid}.bin"
-    return f"{prefix}/{name}" if prefix else name
-
-
-def read_deletion_vector(table_path: str, descriptor: dict[str, Any]) -> list[int]:
-    """Deleted row indexes described by a ``deletionVector`` descriptor."""
-    storage = descriptor["storageType"]
-    size = int(descriptor["sizeInBytes"])
-    if storage == "i":
-        data = z85_decode(descriptor["pathOrInlineDv"])[:size]
-    else:
-        if storage == "u":
-            file = Path(table_path) / _dv_relative_path(descriptor["pathOrInlineDv"])
-        elif storage == "p":
-            file = Path(unquote(descriptor["pathOrInlineDv"].removeprefix("file://")))
-        else:
-            raise ValueError(f"unknown deletion vector storage type {storage!r}")
-        raw = file.read_bytes()
-        if raw[0] != DV_FILE_FORMAT_VERSION:
-            raise ValueError(f"unsupported deletion vector file version {raw[0]}")
-        offset = int(descriptor.get("offset") or 1)
-        (stored_size,) = struct.unpack_from(">I", raw, offset)
-        if stored_size != size:
-            raise ValueError(f"DV size mismatch: log says {size}, file says {stored_size}")
-        data = raw[offset + 4 : offset + 4 + size]
-        (crc,) = struct.unpack_from(">I", raw, offset + 4 + size)
-        if crc != zlib.crc32(data):
-            raise ValueError("deletion vector CRC-32 mismatch")
-    rows = deserialize_roaring_bitmap_array(data)
-    if len(rows) != int(descriptor["cardinality"]):
-        raise ValueError("deletion vector cardinality mismatch")
-    return rows
-
-
-def _write_dv(table_path: Path, bitmap: bytes, storage_type: str) -> dict[str, Any]:
-    if storage_type == "i":
-        padded = bitmap + b"\0" * (-len(bitmap) % 4)
-        return {"storageType": "i", "pathOrInlineDv": z85_encode(padded), "sizeInBytes": len(bitmap)}
-    if storage_type != "u":
-        raise ValueError(f"storage_type must be 'u' or 'i', got {storage_type!r}")
-    dv_uuid = uuid.uuid4()
-    payload = (
-        bytes([DV_FILE_FORMAT_VERSION])
-        + struct.pack(">I", len(bitmap))
-        + bitmap
-        + struct.pack(">I", zlib.crc32(bitmap))
-    )
-    with open(table_path / f"deletion_vector_{dv_uuid}.bin", "xb") as fh:
-        fh.write(payload)
-    return {
-        "storageType": "u",
-        "pathOrInlineDv": z85_encode(dv_uuid.bytes),
-        "offset": 1,
-        "sizeInBytes": len(bitmap),
-    }
-
+__all__ = ["add_deletion_vector"]
 
 # ---------------------------------------------------------------------------
 # Log replay (enough of it for tables written by deltalake / Spark)
@@ -350,10 +190,10 @@ def add_deletion_vector(
         raise ValueError(f"row indexes {bad} out of range for {num_records} rows in {file_name}")
     old_dv = add.get("deletionVector")
     if old_dv:
-        rows |= set(read_deletion_vector(table_path, old_dv))
+        rows |= set(dv_format.read_deletion_vector(table_path, old_dv))
 
-    bitmap = serialize_roaring_bitmap_array(sorted(rows))
-    descriptor = _write_dv(root, bitmap, storage_type)
+    bitmap = dv_format.serialize_roaring_bitmap_array(sorted(rows))
+    descriptor = dv_format.write_deletion_vector(root, bitmap, storage_type)
     descriptor["cardinality"] = len(rows)
 
     now = int(time.time() * 1000)
@@ -431,23 +271,7 @@ def _self_check() -> None:  # pragma: no cover - run by hand
     import pyarrow.parquet as pq
     from deltalake import DeltaTable, write_deltalake
 
-    # PROTOCOL.md's inline example (rows 3,4,7,11,18,29) is in the older *native*
-    # layout (big-endian magic 1681511376, u32 bucket count, u32 size per bucket),
-    # which delta-kernel rejects; its 32-bit roaring bucket must still equal ours.
-    example = z85_decode("wi5b=000010000siXQKl0rr91000f55c8Xg0@@D72lkbi5=-{L")
-    assert struct.unpack_from(">I", example)[0] == DV_MAGIC - 1
-    ours = serialize_roaring_bitmap_array([3, 4, 7, 11, 18, 29])
-    assert ours[:4] == struct.pack("<I", DV_MAGIC) and ours[4:16] == struct.pack("<QI", 1, 0)
-    assert ours[16:] == example[12:] == pyroaring.BitMap([3, 4, 7, 11, 18, 29]).serialize()
-    assert deserialize_roaring_bitmap_array(ours) == [3, 4, 7, 11, 18, 29]
-    assert _dv_relative_path("ab^-aqEH.-t@S}K{vb[*k^") == (
-        "ab/deletion_vector_d2c639aa-8816-431a-aaf6-d3fe2512ff61.bin"
-    )
-    assert deserialize_roaring_bitmap_array(serialize_roaring_bitmap_array([1, 5, (3 << 32) + 2])) == [
-        1,
-        5,
-        (3 << 32) + 2,
-    ]
+    dv_format.self_check()
 
     def dv_masks(dt: DeltaTable) -> dict[str, list[bool]]:
         batches = pa.RecordBatchReader.from_stream(dt.deletion_vectors()).read_all().to_pylist()
