@@ -74,6 +74,13 @@ def parse_timestamp(text: str) -> datetime:
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
 
 
+def at_version(data, version: int):
+    """`data` (DataConfig, source delta or iceberg) pinned at `version`: data.version of a Delta table, the
+    data.snapshot_id of an Iceberg one, no data.timestamp."""
+    return data.model_copy(update={"version" if data.source == "delta" else "snapshot_id": version,
+                                   "timestamp": None})
+
+
 def table_pin_problem(source: str, version: Optional[int], snapshot_id: Optional[int],
                       timestamp: Optional[str]) -> Optional[str]:
     """Why data.version / snapshot_id / timestamp do not fit data.source (None: they do)."""

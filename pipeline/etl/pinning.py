@@ -13,6 +13,7 @@ import logging
 from typing import Optional
 
 from pipeline.config.schema import DataConfig, PipelineConfig
+from pipeline.config.sources import at_version
 from pipeline.config.workdir import Workdir
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,7 @@ def pin_source(data: DataConfig):
     from pipeline.tables.read import pin
 
     pinned = pin(data)
-    key = "version" if data.source == "delta" else "snapshot_id"
-    return data.model_copy(update={key: pinned.version, "timestamp": None}), pinned
+    return at_version(data, pinned.version), pinned
 
 
 def source_report(data: DataConfig, pinned, key: Optional[str]) -> dict:
@@ -81,8 +81,7 @@ def data_as_etled(data: DataConfig, etl_report: dict) -> DataConfig:
     table = etl_report.get("table")
     if data.source not in TABLE_SOURCES or not table:
         return data
-    key = "version" if data.source == "delta" else "snapshot_id"
-    return data.model_copy(update={key: table["version"], "timestamp": None})
+    return at_version(data, table["version"])
 
 
 def trained_on(manifest) -> str:

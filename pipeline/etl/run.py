@@ -108,6 +108,7 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
 
     from udfs.pack import make_pack_fn
 
+    from pipeline.config.sources import at_version
     from pipeline.etl.pinning import etl_key, pin_source, reusable, source_report
 
     started = time.perf_counter()
@@ -115,8 +116,7 @@ def run_etl(spark, cfg: PipelineConfig, statistics: tuple[list[float], list[floa
     if not given:
         data, pinned = pin_source(cfg.data)
     else:  # the workflow's increment: some files of a pinned version (pipeline.tables.changes), never reused
-        data = cfg.data.model_copy(update={"version" if pinned.format == "delta" else "snapshot_id": pinned.version,
-                                           "timestamp": None})
+        data = at_version(cfg.data, pinned.version)
     cfg = cfg.model_copy(update={"data": data})
     key = etl_key(cfg, statistics, pinned) if pinned is not None and not given else None
     reused = reusable(cfg, key)

@@ -42,31 +42,3 @@ def iceberg_table(config, identifier: str):
     except (NoSuchTableError, NoSuchNamespaceError, ValueError) as exc:
         raise TableError(f"Iceberg table {identifier!r} is not in catalog {config.name!r} ({exc}); set data.path "
                          "to namespace.table of a table that exists there") from None
-
-
-def stage_files(df, folder: str) -> list[dict]:
-    """Spark's tasks write `df` as Parquet files into `folder` (a URL or local path; one file a task, by
-    pyarrow on any store: udfs/arrow_files.py); returns [{path (in the store), rows, size, mtime_ms}] of the
-    files with rows that successful attempts reported, and deletes every other file there (a failed or
-    speculative attempt's, an empty task's). The Delta and Iceberg writers then commit these in one transaction;
-    until then no table version names them, so no reader sees them."""
-    import time
-
-    import pyarrow.fs as pafs
-
-    from pipeline.storage import ensure_dir, resolve
-    from udfs.arrow_files import WRITTEN_DDL, make_write_fn
-
-    fs, path = resolve(folder)
-    ensure_dir(fs, path)  # local (or shared) paths: the writers open files, they create no folders
-    rows = {r["path"]: r["rows"] for r in df.mapInArrow(make_write_fn(fs, path), WRITTEN_DDL).collect()}
-    files = []
-    for info in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)):
-        if info.type != pafs.FileType.File:
-            continue
-        if rows.get(info.path):
-            mtime = info.mtime.timestamp() if info.mtime is not None else time.time()
-            files.append({"path": info.path, "rows": rows[info.path], "size": info.size, "mtime_ms": int(mtime * 1e3)})
-        else:
-            fs.delete_file(info.path)
-    return sorted(files, key=lambda f: f["path"])

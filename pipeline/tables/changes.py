@@ -59,6 +59,7 @@ def _operations(data, since: int, until: int) -> str:
 
 def changes_since(data, last: Optional[int]) -> TableChange:
     """`data`'s table now (pinned once) against version `last` (None: never prepared)."""
+    from pipeline.config.sources import at_version
     from pipeline.tables.read import pin
 
     now = pin(data)
@@ -66,9 +67,8 @@ def changes_since(data, last: Optional[int]) -> TableChange:
         return TableChange("rewrite", f"first run: every row of {now.describe()}", now)
     if now.version == last:
         return TableChange("none", f"no commit since version {last}, the version last prepared", now)
-    key = "version" if data.source == "delta" else "snapshot_id"
     try:
-        before = pin(data.model_copy(update={key: last, "timestamp": None}))
+        before = pin(at_version(data, last))
     except TableError as exc:  # vacuumed / expired: the increment cannot be told
         return TableChange("rewrite", f"version {last} last prepared can no longer be read ({exc}); preparing every "
                                       f"row of {now.describe()}", now)

@@ -26,6 +26,7 @@ HONOURED_FEATURES = {"deletionVectors", "columnMapping", "timestampNtz", "typeWi
 
 
 def _open(path: str, version: Optional[int], timestamp: Optional[datetime]):
+    """(the table loaded at the pin, the pinned version's commit time in ms)."""
     deltalake = require("deltalake", "delta")
     from pipeline import storage
 
@@ -51,12 +52,14 @@ def _open(path: str, version: Optional[int], timestamp: Optional[datetime]):
         except Exception as exc:
             problem = str(exc)
         # delta-rs 1.6.6 loads version 0 for a time before the first commit: checked here, not trusted.
-        if problem or _commit_ms(path, table.version()) > timestamp.timestamp() * 1000:
+        committed = None if problem else _commit_ms(path, table.version())
+        if problem or committed > timestamp.timestamp() * 1000:
             first = datetime.fromtimestamp(_commit_ms(path, 0) / 1000, tz=timestamp.tzinfo).isoformat()
             raise TableError(f"Delta table {path} has no version at data.timestamp={timestamp.isoformat()}"
                              f"{f' ({problem})' if problem else ''}: its first commit is at {first}; set a later "
                              "data.timestamp") from None
-    return table
+        return table, committed
+    return table, _commit_ms(path, table.version())
 
 
 def _partition_values(partition_columns: list[str], schema, row: dict) -> dict:
@@ -75,7 +78,7 @@ def pin_delta(path: str, version: Optional[int], timestamp: Optional[datetime]) 
     """The table at `version`, at the version current at `timestamp`, or (both None) at its current version."""
     import pyarrow as pa
 
-    table = _open(path, version, timestamp)
+    table, committed = _open(path, version, timestamp)
     pinned = table.version()
     protocol = table.protocol()
     needed = set(protocol.reader_features or [])
@@ -127,7 +130,6 @@ def pin_delta(path: str, version: Optional[int], timestamp: Optional[datetime]) 
     if any(f.deleted for f in files):
         dropped = [f for f in files if f.deleted]
         honoured.append(f"deletion vectors ({sum(len(f.deleted) for f in dropped)} rows in {len(dropped)} files)")
-    committed = _commit_ms(path, pinned)
     log.info("Delta table %s: version %d (%d files%s)", path, pinned, len(files),
              f"; applying {', '.join(honoured)}" if honoured else "")
     return PinnedTable("delta", path, table.table_uri, pinned, committed, schema, tuple(files),

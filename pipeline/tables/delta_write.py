@@ -1,6 +1,6 @@
 """`shardline score --output-format delta`: the predictions appended to a Delta table in one commit.
 
-Spark's tasks write the Parquet files (catalog.stage_files) into a fresh sub-folder of the table,
+Spark's tasks write the Parquet files (staging.stage_files) into a fresh sub-folder of the table,
 `score-<id>/`; the driver then commits them all as one transaction of `add` actions (delta-rs:
 DeltaTable.create_write_transaction, or create_table_with_add_actions where no table exists yet, so the
 table is born holding the scores). Until that commit no version of the log names the files, so no reader
@@ -33,7 +33,8 @@ from typing import Any, Optional
 
 from pipeline import storage
 from pipeline.errors import TableError
-from pipeline.tables.catalog import require, stage_files
+from pipeline.tables.catalog import require
+from pipeline.tables.staging import Appended, nullable, stage_files
 
 log = logging.getLogger(__name__)
 
@@ -58,26 +59,11 @@ class DeltaTarget:
     read_version: Optional[int] = None
 
 
-@dataclass
-class Appended:
-    table: str
-    version: Optional[int]
-    files: list[str]  # URLs of the committed data files
-    rows: int
-
-
 def _uri(output: str) -> str:
     if storage.is_remote(output):
         return output.rstrip("/")
     _, path = storage.resolve(output)
     return path
-
-
-def _nullable(schema):
-    import pyarrow as pa
-
-    # Every score column may be null (keep_null rows, an unregistered model's version).
-    return pa.schema([f.with_nullable(True) for f in schema])
 
 
 def _open(uri: str):
@@ -91,7 +77,7 @@ def prepare(output: str, schema) -> DeltaTarget:
     a new table at the commit."""
     import pyarrow.fs as pafs
 
-    target = DeltaTarget(output, _uri(output), _nullable(schema))
+    target = DeltaTarget(output, _uri(output), nullable(schema))
     target.table = _open(target.uri)
     fs, path = storage.resolve(output)
     kind = fs.get_file_info(path).type

@@ -1,6 +1,6 @@
 """`shardline score --output-format iceberg`: the predictions appended to an Iceberg table in one snapshot.
 
-Spark's tasks write the Parquet files (catalog.stage_files) under the table's location, `data/score-<id>/`;
+Spark's tasks write the Parquet files (staging.stage_files) under the table's location, `data/score-<id>/`;
 the driver then adds them all in one transaction (pyiceberg's add_files: it reads each file's footer for the
 manifest's statistics and maps the columns by name), which makes one `append` snapshot. A table that does
 not exist is created by that same commit (create_table_transaction); its namespace is created before the
@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 from pipeline import storage
 from pipeline.errors import TableError
-from pipeline.tables.catalog import iceberg_catalog, require, stage_files
+from pipeline.tables.catalog import iceberg_catalog, require
+from pipeline.tables.staging import Appended, nullable, stage_files
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +46,6 @@ class IcebergTarget:
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-@dataclass
-class Appended:
-    table: str
-    version: Optional[int]  # the snapshot id
-    files: list[str]  # URLs of the committed data files
-    rows: int
-
-
-def _nullable(schema):
-    import pyarrow as pa
-
-    # Every score column may be null (keep_null rows, an unregistered model's version).
-    return pa.schema([f.with_nullable(True) for f in schema])
-
-
 def prepare(config, identifier: str, schema) -> IcebergTarget:
     """The Iceberg table `identifier` (namespace.table) in the catalog `config` (IcebergConfig), ready to take
     rows of `schema` (pa.Schema), or a TableError naming what is wrong and the fix. Writes no data: a missing
@@ -72,7 +58,7 @@ def prepare(config, identifier: str, schema) -> IcebergTarget:
         raise TableError(f"score output {identifier!r} is not an Iceberg table identifier; with "
                          "--output-format iceberg, --output is namespace.table in the catalog data.iceberg")
     catalog = iceberg_catalog(config)
-    target = IcebergTarget(identifier, catalog, _nullable(schema))
+    target = IcebergTarget(identifier, catalog, nullable(schema))
     try:
         target.table = catalog.load_table(identifier)
     except (NoSuchTableError, NoSuchNamespaceError):
